@@ -1,0 +1,310 @@
+"""The task plan the persistent score kernel consumes (docs/INDEXER.md, "Task plan").
+
+Everything runs as torch ops on the device that holds the metadata: no device-to-host copy, every
+shape comes from host-side upper bounds (``PlanShape``), and the result is deterministic (stable
+sorts only, no atomics). ``build_task_plan`` can refill an existing plan in place, which is what
+``replan()`` does after the caller updates the metadata tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .contract import MAX_PAGES_PER_ROW
+
+__all__ = [
+    "NUM_BUCKETS",
+    "BUCKET_THRESHOLDS",
+    "DESCRIPTOR_WORDS",
+    "MIN_PAGE_CHUNK",
+    "MAX_PAGE_CHUNK",
+    "DEFAULT_TILE_ROWS",
+    "DEFAULT_NUM_SMS",
+    "PlanError",
+    "PlanShape",
+    "TaskPlan",
+    "plan_shape",
+    "build_task_plan",
+    "decode_descriptors",
+    "describe_plan_errors",
+]
+
+NUM_BUCKETS = 8
+BUCKET_THRESHOLDS = (1 << 10, 1 << 11, 1 << 12, 1 << 13, 1 << 14, 1 << 15, 1 << 16)
+"""A task of ``work = rows x pages`` goes to bucket ``#{t in thresholds : work >= t}``."""
+
+DESCRIPTOR_WORDS = 4
+MIN_PAGE_CHUNK = 8
+MAX_PAGE_CHUNK = 128
+MAX_TILE_TOKENS = 256
+DEFAULT_TILE_ROWS = 128
+DEFAULT_NUM_SMS = 132  # H200
+
+_INT32_MAX = (1 << 31) - 1
+_PAGE_BEGIN_BITS = 16
+_PAGE_COUNT_SHIFT = 16
+_PAGE_COUNT_BITS = 7
+_TOKENS_SHIFT = 23
+_TOKENS_BITS = 8
+
+
+class PlanError(enum.IntFlag):
+    """Bits of ``TaskPlan.error_flags``: metadata that contradicts the host-side bounds."""
+
+    TOTAL_Q_MISMATCH = 1  # cu_seqlens_q[-1] != total_q
+    CU_SEQLENS_NOT_MONOTONE = 2  # cu_seqlens_q[0] != 0 or a negative query length
+    QUERY_TOO_LONG = 4  # a query length > max_seqlen_q
+    KV_LENGTH_INVALID = 8  # seq_lens[b] < query length, or > max_seqlen_k
+    TILE_CAPACITY = 16  # more q tiles than q_tile_capacity (only with one of the bits above)
+
+
+@dataclass(frozen=True)
+class PlanShape:
+    """Host-side sizes of a plan, derived from the host ints alone."""
+
+    num_requests: int
+    total_q: int
+    num_heads: int
+    page_size: int
+    tile_rows: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    num_sms: int
+    tile_tokens: int
+    max_pages: int  # score columns: ceil(max_seqlen_k / page_size)
+    max_history_pages: int  # (max_seqlen_k - 1) // page_size
+    q_tile_capacity: int
+    page_chunk: int
+    chunks_per_tile_capacity: int
+    task_capacity: int
+
+
+@dataclass
+class TaskPlan:
+    """Device tensors of a plan. ``descriptors[:num_tasks]`` are the tasks, heaviest bucket first."""
+
+    shape: PlanShape
+    num_valid_pages: torch.Tensor  # [total_q * H] int32
+    descriptors: torch.Tensor  # [task_capacity, 4] int32
+    num_tasks: torch.Tensor  # [1] int32
+    bucket_offsets: torch.Tensor  # [NUM_BUCKETS + 1] int32, bucket NUM_BUCKETS - 1 first
+    error_flags: torch.Tensor  # [1] int32, PlanError bits
+
+
+def plan_shape(
+    *,
+    num_requests: int,
+    total_q: int,
+    num_heads: int,
+    page_size: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    tile_rows: Optional[int] = None,
+    num_sms: int = DEFAULT_NUM_SMS,
+) -> PlanShape:
+    """Capacities of the plan. Python ints throughout, so nothing overflows; limits raise ValueError.
+
+    ``tile_rows`` defaults to the largest multiple of ``num_heads`` not above ``DEFAULT_TILE_ROWS``.
+    """
+    if tile_rows is None:
+        tile_rows = max(1, DEFAULT_TILE_ROWS // num_heads) * num_heads
+    if tile_rows % num_heads != 0:
+        raise ValueError(f"tile_rows ({tile_rows}) must be a multiple of num_heads ({num_heads})")
+    tile_tokens = tile_rows // num_heads
+    if not 1 <= tile_tokens <= MAX_TILE_TOKENS:
+        raise ValueError(f"tile_rows // num_heads must lie in [1, {MAX_TILE_TOKENS}], got {tile_tokens}")
+    if total_q * num_heads > _INT32_MAX:
+        raise ValueError(f"total_q * num_heads must be < 2^31 score rows, got {total_q * num_heads}")
+    max_pages = -(-max_seqlen_k // page_size)
+    if max_pages > MAX_PAGES_PER_ROW:
+        raise ValueError(
+            f"max_seqlen_k = {max_seqlen_k} needs {max_pages} pages per row; at most {MAX_PAGES_PER_ROW} are supported"
+        )
+    max_history_pages = (max_seqlen_k - 1) // page_size
+    q_tile_capacity = min(total_q, -(-total_q // tile_tokens) + num_requests - 1)
+    # Adaptive chunk: enough chunks per tile that even a few q tiles give every SM a task.
+    chunks_per_tile_target = max(1, -(-num_sms // max(1, q_tile_capacity)))
+    page_chunk = min(MAX_PAGE_CHUNK, max(MIN_PAGE_CHUNK, -(-max_history_pages // chunks_per_tile_target)))
+    chunks_per_tile_capacity = -(-max_history_pages // page_chunk)
+    task_capacity = q_tile_capacity * chunks_per_tile_capacity
+    if task_capacity > _INT32_MAX:
+        raise ValueError(f"the plan would need {task_capacity} task slots; at most 2^31 - 1 are supported")
+    return PlanShape(
+        num_requests=num_requests,
+        total_q=total_q,
+        num_heads=num_heads,
+        page_size=page_size,
+        tile_rows=tile_rows,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        num_sms=num_sms,
+        tile_tokens=tile_tokens,
+        max_pages=max_pages,
+        max_history_pages=max_history_pages,
+        q_tile_capacity=q_tile_capacity,
+        page_chunk=page_chunk,
+        chunks_per_tile_capacity=chunks_per_tile_capacity,
+        task_capacity=task_capacity,
+    )
+
+
+def allocate_task_plan(shape: PlanShape, device: torch.device) -> TaskPlan:
+    def empty(*size):
+        return torch.empty(*size, dtype=torch.int32, device=device)
+
+    return TaskPlan(
+        shape=shape,
+        num_valid_pages=empty(shape.total_q * shape.num_heads),
+        descriptors=empty(max(1, shape.task_capacity), DESCRIPTOR_WORDS),
+        num_tasks=empty(1),
+        bucket_offsets=empty(NUM_BUCKETS + 1),
+        error_flags=empty(1),
+    )
+
+
+def build_task_plan(
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    shape: PlanShape,
+    out: Optional[TaskPlan] = None,
+) -> TaskPlan:
+    """Compute ``num_valid_pages`` and the task descriptors; refills ``out`` in place when given."""
+    device = cu_seqlens_q.device
+    plan = out if out is not None else allocate_task_plan(shape, device)
+    starts = cu_seqlens_q.to(torch.int64)
+    kv_lens = seq_lens.to(torch.int64)
+    q_lens = starts[1:] - starts[:-1]
+    prefixes = kv_lens - q_lens
+    errors = _metadata_errors(starts, q_lens, kv_lens, shape)
+
+    token_request, token_local = _locate(starts[1:], starts[:-1], shape.total_q, shape.num_requests, device)
+    positions = prefixes[token_request] + token_local
+    valid_pages = (positions.clamp(min=0) // shape.page_size + 1).to(torch.int32)
+    plan.num_valid_pages.copy_(valid_pages.repeat_interleave(shape.num_heads))
+
+    tiles_per_request = (q_lens.clamp(min=0) + shape.tile_tokens - 1) // shape.tile_tokens
+    tile_end = torch.cumsum(tiles_per_request, 0)
+    tile_request, tile_index = _locate(tile_end, tile_end - tiles_per_request, shape.q_tile_capacity, shape.num_requests, device)
+    tile_valid = torch.arange(shape.q_tile_capacity, device=device) < tile_end[-1]
+    token_begin = tile_index * shape.tile_tokens
+    tile_tokens = (q_lens[tile_request] - token_begin).clamp(min=1, max=shape.tile_tokens)
+    position_begin = prefixes[tile_request] + token_begin
+    # History of a tile = pages before the local page of its last token; shorter rows skip the tail.
+    history = ((position_begin + tile_tokens - 1).clamp(min=0) // shape.page_size).clamp(max=shape.max_history_pages)
+    history = torch.where(tile_valid, history, 0)
+    chunks = (history + shape.page_chunk - 1) // shape.page_chunk
+    task_end = torch.cumsum(chunks, 0)
+    task_tile, task_chunk = _locate(task_end, task_end - chunks, shape.task_capacity, shape.q_tile_capacity, device)
+    task_valid = torch.arange(shape.task_capacity, device=device) < task_end[-1]
+    page_begin = task_chunk * shape.page_chunk
+    page_count = (history[task_tile] - page_begin).clamp(min=1, max=shape.page_chunk)
+    rows = tile_tokens[task_tile] * shape.num_heads
+    bucket = _bucket_of(rows * page_count)
+
+    # Heaviest bucket first; inside a bucket, chunk-major so concurrent CTAs stream the same K pages.
+    order_key = (NUM_BUCKETS - 1 - bucket) * (shape.chunks_per_tile_capacity + 1) + task_chunk
+    order_key = torch.where(task_valid, order_key, NUM_BUCKETS * (shape.chunks_per_tile_capacity + 1))
+    order = torch.sort(order_key, stable=True).indices
+    tile_of_task = task_tile[order]
+    packed = (
+        page_begin[order]
+        | ((page_count[order] - 1) << _PAGE_COUNT_SHIFT)
+        | ((tile_tokens[tile_of_task] - 1) << _TOKENS_SHIFT)
+    )
+    descriptors = torch.stack(
+        [
+            starts[tile_request[tile_of_task]] + token_begin[tile_of_task],
+            position_begin[tile_of_task],
+            tile_request[tile_of_task],
+            packed,
+        ],
+        dim=1,
+    )
+    descriptors = torch.where(task_valid[order][:, None], descriptors, 0)
+    if shape.task_capacity > 0:
+        plan.descriptors.copy_(descriptors.to(torch.int32))
+    else:
+        plan.descriptors.zero_()
+
+    counts = torch.zeros(NUM_BUCKETS, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, bucket, task_valid.to(torch.int64))
+    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts.flip(0), 0)])
+    plan.bucket_offsets.copy_(offsets.to(torch.int32))
+    # Tasks exist only for the first q_tile_capacity tiles, each with at most chunks_per_tile_capacity
+    # chunks, so the task count never exceeds task_capacity; extra tiles are flagged instead.
+    plan.num_tasks.copy_(task_end[-1].reshape(1).to(torch.int32))
+    errors = errors | torch.where(tile_end[-1] > shape.q_tile_capacity, int(PlanError.TILE_CAPACITY), 0)
+    plan.error_flags.copy_(errors.reshape(1).to(torch.int32))
+    return plan
+
+
+def _locate(ends: torch.Tensor, begins: torch.Tensor, count: int, num_groups: int, device):
+    """For slots ``0..count-1`` laid out group after group, the group of each slot and its index in it."""
+    slots = torch.arange(count, device=device, dtype=torch.int64)
+    if num_groups == 0:
+        zeros = torch.zeros(count, dtype=torch.int64, device=device)
+        return zeros, zeros
+    group = torch.searchsorted(ends.contiguous(), slots, right=True).clamp(max=num_groups - 1)
+    return group, slots - begins[group]
+
+
+def _bucket_of(work: torch.Tensor) -> torch.Tensor:
+    bucket = torch.zeros_like(work)
+    for threshold in BUCKET_THRESHOLDS:
+        bucket += (work >= threshold).to(work.dtype)
+    return bucket
+
+
+def _metadata_errors(starts, q_lens, kv_lens, shape: PlanShape) -> torch.Tensor:
+    def flag(condition, bit):
+        return torch.where(condition, int(bit), 0)
+
+    errors = flag(starts[-1] != shape.total_q, PlanError.TOTAL_Q_MISMATCH)
+    errors = errors | flag((starts[0] != 0) | (q_lens < 0).any(), PlanError.CU_SEQLENS_NOT_MONOTONE)
+    errors = errors | flag((q_lens > shape.max_seqlen_q).any(), PlanError.QUERY_TOO_LONG)
+    errors = errors | flag(((kv_lens < q_lens) | (kv_lens > shape.max_seqlen_k)).any(), PlanError.KV_LENGTH_INVALID)
+    return errors
+
+
+def describe_plan_errors(flags: int) -> str:
+    messages = {
+        PlanError.TOTAL_Q_MISMATCH: "cu_seqlens_q[-1] must equal total_q",
+        PlanError.CU_SEQLENS_NOT_MONOTONE: "cu_seqlens_q must start at 0 and be non-decreasing",
+        PlanError.QUERY_TOO_LONG: "every query length (cu_seqlens_q[b+1] - cu_seqlens_q[b]) must be <= max_seqlen_q",
+        PlanError.KV_LENGTH_INVALID: "every seq_lens[b] must be >= its query length and <= max_seqlen_k",
+        PlanError.TILE_CAPACITY: "the metadata produces more q tiles than the host bounds allow",
+    }
+    return "; ".join(text for bit, text in messages.items() if flags & bit)
+
+
+def decode_descriptors(descriptors: torch.Tensor) -> dict:
+    """Unpack ``[n, 4]`` descriptors into named int64 columns (tests and tools; the kernel unpacks its own)."""
+    d = descriptors.to(torch.int64)
+    packed = d[:, 3]
+    return {
+        "token_begin": d[:, 0],
+        "position_begin": d[:, 1],
+        "request": d[:, 2],
+        "page_begin": packed & ((1 << _PAGE_BEGIN_BITS) - 1),
+        "page_count": ((packed >> _PAGE_COUNT_SHIFT) & ((1 << _PAGE_COUNT_BITS) - 1)) + 1,
+        "tokens": ((packed >> _TOKENS_SHIFT) & ((1 << _TOKENS_BITS) - 1)) + 1,
+    }
+
+
+def descriptor_field_limits() -> dict:
+    """Largest value each packed field can hold (documented in docs/INDEXER.md)."""
+    return {
+        "page_begin": (1 << _PAGE_BEGIN_BITS) - 1,
+        "page_count": 1 << _PAGE_COUNT_BITS,
+        "tokens": 1 << _TOKENS_BITS,
+    }
+
+
+assert MAX_PAGE_CHUNK <= descriptor_field_limits()["page_count"]
+assert MAX_TILE_TOKENS <= descriptor_field_limits()["tokens"]
+assert math.log2(MAX_PAGES_PER_ROW) == _PAGE_BEGIN_BITS
