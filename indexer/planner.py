@@ -129,7 +129,7 @@ def plan_shape(
     q_tile_capacity = min(total_q, -(-total_q // tile_tokens) + num_requests - 1)
     # Adaptive chunk: enough chunks per tile that even a few q tiles give every SM a task.
     chunks_per_tile_target = max(1, -(-num_sms // max(1, q_tile_capacity)))
-    page_chunk = min(MAX_PAGE_CHUNK, max(MIN_PAGE_CHUNK, -(-max_history_pages // chunks_per_tile_target)))
+    page_chunk = min(MAX_PAGE_CHUNK, max(MIN_PAGE_CHUNK, max_history_pages // chunks_per_tile_target))
     chunks_per_tile_capacity = -(-max_history_pages // page_chunk)
     task_capacity = q_tile_capacity * chunks_per_tile_capacity
     if task_capacity > _INT32_MAX:

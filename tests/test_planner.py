@@ -1,0 +1,236 @@
+"""The task plan: coverage, ordering, capacities, adaptive chunking, determinism, and an executor."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from indexer import BatchPrefillIndexerQ8KV8Wrapper
+from indexer.planner import (
+    BUCKET_THRESHOLDS,
+    MAX_PAGE_CHUNK,
+    MIN_PAGE_CHUNK,
+    NUM_BUCKETS,
+    PlanError,
+    build_task_plan,
+    decode_descriptors,
+    plan_shape,
+)
+from cases import make_case
+
+
+def metadata(lengths):
+    q_lens = [q for q, _ in lengths]
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
+    return cu, torch.tensor([k for _, k in lengths], dtype=torch.int32)
+
+
+def build(lengths, num_heads, *, tile_rows=None, num_sms=132, max_seqlen_q=None, max_seqlen_k=None, page_size=128):
+    cu, seq_lens = metadata(lengths)
+    shape = plan_shape(
+        num_requests=len(lengths),
+        total_q=int(cu[-1]),
+        num_heads=num_heads,
+        page_size=page_size,
+        max_seqlen_q=max_seqlen_q or max(max(q for q, _ in lengths), 1),
+        max_seqlen_k=max_seqlen_k or max(k for _, k in lengths),
+        tile_rows=tile_rows,
+        num_sms=num_sms,
+    )
+    return build_task_plan(cu, seq_lens, shape), shape
+
+
+def tasks_of(plan):
+    count = int(plan.num_tasks[0])
+    fields = decode_descriptors(plan.descriptors[:count])
+    return [dict(zip(fields, values)) for values in zip(*(v.tolist() for v in fields.values()))]
+
+
+def check_plan(lengths, num_heads, **kwargs):
+    plan, shape = build(lengths, num_heads, **kwargs)
+    assert int(plan.error_flags[0]) == 0
+    tasks = tasks_of(plan)
+    assert len(tasks) <= shape.task_capacity
+
+    # tiles: per request, consecutive token ranges of tile_tokens (the last one partial)
+    tiles = {}
+    for task in tasks:
+        key = (task["request"], task["token_begin"])
+        tiles.setdefault(key, []).append(task)
+    starts = [0]
+    for q_len, _ in lengths:
+        starts.append(starts[-1] + q_len)
+    expected_tiles = set()
+    for request, (q_len, kv_len) in enumerate(lengths):
+        prefix = kv_len - q_len
+        for local in range(0, q_len, shape.tile_tokens):
+            tokens = min(shape.tile_tokens, q_len - local)
+            history = (prefix + local + tokens - 1) // shape.page_size
+            if history == 0:
+                continue
+            key = (request, starts[request] + local)
+            expected_tiles.add(key)
+            assert key in tiles, f"tile {key} has no task"
+            chunks = sorted(tiles[key], key=lambda t: t["page_begin"])
+            covered = 0
+            for chunk in chunks:
+                assert chunk["tokens"] == tokens
+                assert chunk["position_begin"] == prefix + local
+                assert chunk["page_begin"] == covered, "page chunks must tile the history contiguously"
+                assert 1 <= chunk["page_count"] <= shape.page_chunk
+                covered += chunk["page_count"]
+            assert covered == history
+    assert set(tiles) == expected_tiles
+
+    # heaviest bucket first; offsets agree with the counts
+    buckets = [sum(t["tokens"] * num_heads * t["page_count"] >= th for th in BUCKET_THRESHOLDS) for t in tasks]
+    assert buckets == sorted(buckets, reverse=True)
+    offsets = plan.bucket_offsets.tolist()
+    assert offsets[0] == 0 and offsets[-1] == len(tasks)
+    for rank in range(NUM_BUCKETS):
+        bucket = NUM_BUCKETS - 1 - rank
+        assert offsets[rank + 1] - offsets[rank] == buckets.count(bucket)
+
+    # num_valid_pages: L + 1 per (token, head)
+    expected_valid = []
+    for q_len, kv_len in lengths:
+        for i in range(q_len):
+            expected_valid += [(kv_len - q_len + i) // shape.page_size + 1] * num_heads
+    assert plan.num_valid_pages.tolist() == expected_valid
+    return plan, shape
+
+
+lengths_strategy = st.lists(
+    st.integers(1, 3000).flatmap(lambda kv: st.tuples(st.integers(0, min(kv, 700)), st.just(kv))),
+    min_size=1,
+    max_size=48,
+).filter(lambda ls: sum(q for q, _ in ls) > 0)
+
+
+@settings(max_examples=120, deadline=None)
+@given(lengths=lengths_strategy, num_heads=st.sampled_from([1, 2, 4]), tile_rows=st.sampled_from([None, 256]))
+def test_plan_covers_every_tile_and_page_exactly_once(lengths, num_heads, tile_rows):
+    check_plan(lengths, num_heads, tile_rows=tile_rows)
+
+
+def test_plan_is_deterministic_and_refills_in_place():
+    lengths = [(500, 9000), (33, 40000), (0, 5), (1, 129), (2000, 2000)]
+    first, shape = build(lengths, 4)
+    second, _ = build(lengths, 4)
+    for name in ("descriptors", "num_tasks", "bucket_offsets", "num_valid_pages", "error_flags"):
+        assert torch.equal(getattr(first, name), getattr(second, name)), name
+    cu, seq_lens = metadata(lengths)
+    pointer = first.descriptors.data_ptr()
+    first.descriptors.fill_(-7)
+    build_task_plan(cu, seq_lens, shape, out=first)
+    assert first.descriptors.data_ptr() == pointer
+    assert torch.equal(first.descriptors, second.descriptors)
+
+
+def test_short_queries_over_long_context_fill_the_machine():
+    # 171 tokens (two q tiles) over a 100K context: a fixed 64-page chunk would give 26 tasks
+    plan, shape = check_plan([(171, 100_000)], 1)
+    assert MIN_PAGE_CHUNK <= shape.page_chunk < 64
+    assert int(plan.num_tasks[0]) >= 132
+    plan, shape = check_plan([(128, 131_072)], 4)
+    assert int(plan.num_tasks[0]) >= 132
+    # where even 8-page chunks cannot give every SM a task, the chunk is the smallest allowed
+    for lengths, heads in (([(171, 55_000)], 1), ([(128, 32_768)], 4)):
+        plan, shape = check_plan(lengths, heads)
+        assert shape.page_chunk == MIN_PAGE_CHUNK
+        assert int(plan.num_tasks[0]) < 132
+
+
+def test_long_queries_use_the_largest_chunk():
+    plan, shape = check_plan([(16_384, 65_536)], 1)
+    assert shape.page_chunk == MAX_PAGE_CHUNK
+    assert shape.q_tile_capacity == 128
+
+
+def test_no_history_gives_no_tasks():
+    plan, shape = check_plan([(100, 100), (28, 128)], 2)
+    assert int(plan.num_tasks[0]) == 0
+    assert shape.task_capacity == 0
+
+
+def test_capacity_formulas_at_the_limits():
+    # the largest plan that fits: 2^31 - 1 rows is over the task limit, so the error names it
+    with pytest.raises(ValueError, match="task slots"):
+        plan_shape(num_requests=1, total_q=(1 << 31) - 1, num_heads=1, page_size=128, max_seqlen_q=1 << 23, max_seqlen_k=1 << 23)
+    with pytest.raises(ValueError, match="2\\^31 score rows"):
+        plan_shape(num_requests=1, total_q=1 << 30, num_heads=2, page_size=128, max_seqlen_q=8, max_seqlen_k=8)
+    with pytest.raises(ValueError, match="65536"):
+        plan_shape(num_requests=1, total_q=8, num_heads=1, page_size=128, max_seqlen_q=8, max_seqlen_k=65536 * 128 + 1)
+    # the largest context and a 1M-token batch fit, with capacities that are true bounds
+    shape = plan_shape(num_requests=1000, total_q=1 << 20, num_heads=4, page_size=128, max_seqlen_q=1 << 20, max_seqlen_k=65536 * 128)
+    assert shape.max_pages == 65536 and shape.page_chunk == MAX_PAGE_CHUNK
+    assert shape.q_tile_capacity == (1 << 20) // 32 + 999
+    assert shape.task_capacity == shape.q_tile_capacity * 512 < 1 << 31
+    # many one-token requests: every token is its own tile
+    shape = plan_shape(num_requests=5000, total_q=5000, num_heads=1, page_size=128, max_seqlen_q=1, max_seqlen_k=10)
+    assert shape.q_tile_capacity == 5000
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    q_lens=st.lists(st.sampled_from([1, 2, 31, 32, 33, 63, 64, 65, 127, 128, 129]), min_size=1, max_size=40),
+    num_heads=st.sampled_from([1, 2, 4]),
+)
+def test_tile_capacity_holds_for_worst_case_partial_tiles(q_lens, num_heads):
+    lengths = [(q, q + 300) for q in q_lens]
+    plan, shape = build(lengths, num_heads)
+    tiles = sum(-(-q // shape.tile_tokens) for q in q_lens)
+    assert tiles <= shape.q_tile_capacity
+    assert int(plan.error_flags[0]) == 0
+
+
+@pytest.mark.parametrize(
+    "mutate, flag",
+    [
+        (lambda cu, sl: cu.__setitem__(-1, cu[-1] - 1), PlanError.TOTAL_Q_MISMATCH),
+        (lambda cu, sl: cu.__setitem__(1, 200), PlanError.CU_SEQLENS_NOT_MONOTONE),
+        (lambda cu, sl: sl.__setitem__(0, 10), PlanError.KV_LENGTH_INVALID),
+        (lambda cu, sl: sl.__setitem__(1, 5000), PlanError.KV_LENGTH_INVALID),
+    ],
+)
+def test_error_flags_report_metadata_outside_the_bounds(mutate, flag):
+    lengths = [(100, 1000), (50, 2000)]
+    cu, seq_lens = metadata(lengths)
+    shape = plan_shape(num_requests=2, total_q=150, num_heads=1, page_size=128, max_seqlen_q=100, max_seqlen_k=2000)
+    mutate(cu, seq_lens)
+    plan = build_task_plan(cu, seq_lens, shape)
+    assert int(plan.error_flags[0]) & flag
+
+
+def test_query_longer_than_bound_is_flagged():
+    cu, seq_lens = metadata([(100, 1000), (50, 2000)])
+    shape = plan_shape(num_requests=2, total_q=150, num_heads=1, page_size=128, max_seqlen_q=60, max_seqlen_k=2000)
+    assert int(build_task_plan(cu, seq_lens, shape).error_flags[0]) & PlanError.QUERY_TOO_LONG
+
+
+def execute_plan(plan, shape, q, k_cache, block_table, out):
+    """A naive executor of the descriptors: what the GPU kernel does, one task at a time."""
+    num_heads = shape.num_heads
+    for task in tasks_of(plan):
+        q_rows = q[task["token_begin"] : task["token_begin"] + task["tokens"]].reshape(-1, q.shape[-1]).double()
+        for page in range(task["page_begin"], task["page_begin"] + task["page_count"]):
+            keys = k_cache[int(block_table[task["request"], page])].double()
+            maxima = (q_rows @ keys.T).amax(dim=1).float()
+            for row in range(q_rows.shape[0]):
+                position = task["position_begin"] + row // num_heads
+                if page < position // shape.page_size:  # rows whose local page is earlier skip the tail
+                    out[task["token_begin"] * num_heads + row, page] = maxima[row]
+    return out
+
+
+@pytest.mark.parametrize("num_heads", [1, 2, 4])
+def test_executing_the_descriptors_reproduces_the_torch_backend(num_heads):
+    case = make_case([(150, 2500), (40, 4100), (1, 700), (70, 70)], num_heads=num_heads, seed=num_heads)
+    wrapper = BatchPrefillIndexerQ8KV8Wrapper(num_heads, backend="torch")
+    rows = case.total_q * num_heads
+    expected = torch.full((rows, case.block_table.shape[1]), float("nan"))
+    wrapper.plan(*case.metadata(), **case.plan_kwargs(), score_out=expected)
+    wrapper.run_scores(case.q, case.k_cache)
+    executed = execute_plan(wrapper.task_plan, wrapper.task_plan.shape, case.q, case.k_cache, case.block_table, torch.full_like(expected, float("nan")))
+    assert torch.equal(expected.isnan(), executed.isnan())
+    assert torch.equal(expected.nan_to_num(), executed.nan_to_num())
