@@ -21,7 +21,11 @@ from .topk import topk_select
 from .torch_backend import HostMetadata, compute_page_scores, read_host_metadata
 from .validation import check_alignment, check_host_int, check_same_device, check_tensor, check_unit_stride_1d
 
-__all__ = ["BatchPrefillIndexerQ8KV8Wrapper"]
+__all__ = ["BatchPrefillIndexerQ8KV8Wrapper", "PlanRequiredError"]
+
+class PlanRequiredError(RuntimeError, ValueError):
+    """A run/property was used before ``plan()``: a call-order error, catchable as either base."""
+
 
 _TMA_ALIGNMENT = 16
 _METADATA_ALIGNMENT = 4
@@ -218,7 +222,7 @@ class BatchPrefillIndexerQ8KV8Wrapper:
 
     def _require_plan(self, what: str) -> TaskPlan:
         if self._plan is None:
-            raise RuntimeError(f"{what}: call plan() first")
+            raise PlanRequiredError(f"{what}: call plan() first (no plan on this wrapper yet)")
         return self._plan
 
     def _host(self) -> HostMetadata:
