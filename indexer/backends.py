@@ -23,8 +23,10 @@ class BackendChoice:
 
 
 def cute_kernel_available() -> bool:
-    """Whether this build ships the SM90 CuTe DSL kernel (see docs/INDEXER.md, "Backends")."""
-    return False
+    """Whether the CuTe DSL (``nvidia-cutlass-dsl``) imports, so the SM90 kernel can be built."""
+    from .cute_backend import dsl_available
+
+    return dsl_available()
 
 
 def kernel_unsupported_reason(
@@ -33,12 +35,15 @@ def kernel_unsupported_reason(
     num_heads: int,
     page_size: int,
     topk: int,
+    precision: str = "auto",
     dtype: Optional[torch.dtype] = None,
     head_dim: Optional[int] = None,
 ) -> Optional[str]:
     """Why the GPU kernel cannot serve this configuration, or None when it can."""
+    if precision == "exact":
+        return "precision='exact' is served by the exact torch backend until the exact kernel variant lands"
     if not cute_kernel_available():
-        return "the SM90 CuTe DSL kernel is not part of this build yet"
+        return "the CuTe DSL (nvidia-cutlass-dsl) does not import"
     if device.type != "cuda":
         return f"the kernel needs a CUDA device, the metadata is on {device}"
     if torch.cuda.get_device_capability(device) != (9, 0):

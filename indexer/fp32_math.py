@@ -69,4 +69,5 @@ def _as_f64(x, like: torch.Tensor) -> torch.Tensor:
         return x.to(torch.float64)
     if struct.unpack("f", struct.pack("f", float(x)))[0] != float(x):
         raise ValueError(f"constant {x!r} is not exactly representable in fp32")
-    return torch.tensor(float(x), dtype=torch.float64, device=like.device)
+    # a fill kernel, not a host-to-device copy: keeps the top-k capturable in CUDA graphs
+    return torch.full((), float(x), dtype=torch.float64, device=like.device)

@@ -63,8 +63,10 @@ class BatchPrefillIndexerQ8KV8Wrapper:
                 raise ValueError(
                     f"backend='cute' needs page_size={PAGE_SIZE} and topk={DEFAULT_TOPK}, got {page_size} and {topk}"
                 )
+            if precision == "exact":
+                raise ValueError("precision='exact' is not built for backend='cute' yet; use precision='fp8' or backend='torch'")
             if not backends.cute_kernel_available():
-                raise RuntimeError("backend='cute': the SM90 CuTe DSL kernel is not part of this build yet; use 'auto' or 'torch'")
+                raise RuntimeError("backend='cute' needs the CuTe DSL (pip install nvidia-cutlass-dsl); use 'auto' or 'torch'")
         self.num_heads = num_heads
         self.backend = backend
         self.precision = precision
@@ -75,6 +77,7 @@ class BatchPrefillIndexerQ8KV8Wrapper:
         self._host_metadata: Optional[HostMetadata] = None
         self._scores: Optional[torch.Tensor] = None
         self._topk_out: Optional[torch.Tensor] = None
+        self._score_runner = None
         self._validate = False
 
     # ------------------------------------------------------------------ plan
@@ -138,8 +141,18 @@ class BatchPrefillIndexerQ8KV8Wrapper:
         if score_out is not None:
             _check_score_out(score_out, rows=total_q * self.num_heads, max_pages=shape.max_pages, device=device)
         choice = backends.resolve_backend(
-            self.backend, device=device, num_heads=self.num_heads, page_size=self.page_size, topk=self.topk
+            self.backend,
+            device=device,
+            num_heads=self.num_heads,
+            page_size=self.page_size,
+            topk=self.topk,
+            precision=self.precision,
         )
+        runner = None
+        if choice.name == "cute":
+            from .cute_backend import PageScoreRunner
+
+            runner = PageScoreRunner(self.num_heads, device)
 
         plan = build_task_plan(cu_seqlens_q, seq_lens, shape)
         if validate:
@@ -149,6 +162,7 @@ class BatchPrefillIndexerQ8KV8Wrapper:
         self._metadata = (cu_seqlens_q, seq_lens, block_table)
         self._host_metadata = None
         self._backend_choice = choice
+        self._score_runner = runner
         self._validate = validate
         self._scores = score_out if score_out is not None else torch.empty(
             total_q * self.num_heads, shape.max_pages, dtype=torch.float32, device=device
@@ -175,8 +189,32 @@ class BatchPrefillIndexerQ8KV8Wrapper:
         if self._validate:
             self._check_input_values(q, k_pages)
         _, _, block_table = self._metadata
-        compute_page_scores(q, k_pages, block_table, self._host(), self._scores, page_size=self.page_size)
+        if self._kernel_serves(q):
+            plan = self._plan
+            self._score_runner(q, k_pages, self._scores, block_table, plan.descriptors, plan.num_tasks)
+        else:
+            compute_page_scores(q, k_pages, block_table, self._host(), self._scores, page_size=self.page_size)
         return self._scores
+
+    def _kernel_serves(self, q: torch.Tensor) -> bool:
+        if self._score_runner is None:
+            return False
+        reason = backends.kernel_unsupported_reason(
+            device=q.device,
+            num_heads=self.num_heads,
+            page_size=self.page_size,
+            topk=self.topk,
+            precision=self.precision,
+            dtype=q.dtype,
+            head_dim=q.shape[2],
+        )
+        if reason is None:
+            return True
+        if self.backend == "cute":
+            raise ValueError(f"backend='cute' cannot score these inputs: {reason}")
+        backends.resolve_backend("auto", device=q.device, num_heads=self.num_heads, page_size=self.page_size,
+                                 topk=self.topk, precision=self.precision, dtype=q.dtype, head_dim=q.shape[2])
+        return False
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Scores and top-k: returns ``[total_q, H, topk]`` int32 logical page ids (``out`` when given)."""

@@ -43,12 +43,18 @@ def misaligned(tensor: torch.Tensor, offset_bytes: int) -> torch.Tensor:
         (dict(topk=0), ValueError, "topk"),
         (dict(num_heads=3, backend="cute"), ValueError, "num_heads"),
         (dict(backend="cute", page_size=64), ValueError, "page_size"),
-        (dict(backend="cute"), RuntimeError, "cute"),
+        (dict(backend="cute", precision="exact"), ValueError, "precision='exact'"),
     ],
 )
 def test_constructor_rejects(kwargs, error, match):
     with pytest.raises(error, match=match):
         BatchPrefillIndexerQ8KV8Wrapper(**kwargs)
+
+
+def test_cute_backend_refuses_a_cpu_plan(case):
+    wrapper = BatchPrefillIndexerQ8KV8Wrapper(2, backend="cute")
+    with pytest.raises(RuntimeError, match="backend='cute' cannot serve .* CUDA device"):
+        wrapper.plan(*case.metadata(), **case.plan_kwargs())
 
 
 # ------------------------------------------------------------------ plan

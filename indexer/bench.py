@@ -1,0 +1,226 @@
+"""Benchmark of the prefill indexer on MiniMax's 128-case production suite: ``python -m indexer.bench``.
+
+Per case and H: inputs as the MSA harness draws them (q = randn·0.25·(h+1), K = randn·0.25, e4m3, a
+scattered page table), one wrapper, plan and CUDA graph per rotation slot (enough slots that the
+inputs exceed 2x L2), 5 warm-up rounds and 20 timed replays of every slot with CUDA events; the
+median per call is reported. The baseline, timed in the same run, is what a user would write with
+torch: ``torch._scaled_mm`` FP8 logits per request and token chunk, the page max of the materialised
+chunk, and ``torch.topk`` over the history. ``--quick`` runs the 16 weighted batch-1 cases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import random
+import statistics
+import sys
+
+import torch
+
+from . import BatchPrefillIndexerQ8KV8Wrapper
+from .contract import FP8_DTYPE, HEAD_DIM, PAGE_SIZE
+
+CASES_PATH = pathlib.Path(__file__).with_name("bench_data") / "prefill_benchmark_cases_v1.json"
+MEASURED_CUBLAS_FP8_TFLOPS = 1452.0  # H200, ../shared/DEVICE.md
+L2_BYTES = 60 * 1024 * 1024
+
+
+def load_cases(quick: bool):
+    cases = json.loads(CASES_PATH.read_text())["cases"]
+    if quick:
+        cases = [c for c in cases if c.get("representative_weight") and c["batch_size"] == 1]
+    return cases
+
+
+def sequence_lengths(case) -> list:
+    """(q_len, kv_len) per sequence, by the rule of ../shared/data/README.md for batch > 1."""
+    batch, total_q, max_kv = case["batch_size"], case["total_q"], case["max_final_kv"]
+    if batch == 1:
+        return [(total_q, max_kv)]
+    rng = random.Random(int(case["case_id"][-8:], 16))
+    kv = [max_kv] + [rng.randint(max(1, max_kv // 4), max_kv) for _ in range(batch - 1)]
+    q = [max(1, round(total_q * k / sum(kv))) for k in kv]
+    q[0] += total_q - sum(q)
+    for b in range(batch):
+        excess = q[b] - kv[b]
+        if excess > 0:
+            q[b] = kv[b]
+            for other in range(b + 1, batch):
+                room = kv[other] - q[other]
+                move = min(room, excess)
+                q[other] += move
+                excess -= move
+    return list(zip(q, kv))
+
+
+def useful_flops(lengths, num_heads) -> int:
+    total = 0
+    for q_len, kv_len in lengths:
+        prefix = kv_len - q_len
+        total += sum((prefix + i) // PAGE_SIZE for i in range(q_len))
+    return 2 * PAGE_SIZE * HEAD_DIM * total * num_heads
+
+
+def make_inputs(lengths, num_heads, device, generator):
+    pages = [-(-kv // PAGE_SIZE) for _, kv in lengths]
+    num_pages = sum(pages) + 1
+    order = torch.randperm(num_pages, generator=generator).to(torch.int32)
+    block_table = torch.zeros(len(lengths), max(pages), dtype=torch.int32)
+    cursor = 0
+    for b, count in enumerate(pages):
+        block_table[b, :count] = order[cursor : cursor + count]
+        cursor += count
+    total_q = sum(q for q, _ in lengths)
+    head_scale = torch.arange(1, num_heads + 1, dtype=torch.float32).view(1, num_heads, 1)
+    q = (torch.randn(total_q, num_heads, HEAD_DIM, generator=generator) * 0.25 * head_scale).to(FP8_DTYPE)
+    k = (torch.randn(num_pages, PAGE_SIZE, HEAD_DIM, generator=generator) * 0.25).to(FP8_DTYPE)
+    cu = torch.tensor([0] + torch.tensor([q for q, _ in lengths]).cumsum(0).tolist(), dtype=torch.int32)
+    seq_lens = torch.tensor([kv for _, kv in lengths], dtype=torch.int32)
+    return [t.to(device) for t in (q, k, cu, seq_lens, block_table)]
+
+
+class TorchFp8Baseline:
+    """The user's baseline: _scaled_mm FP8 logits per token chunk, page max, torch.topk selection."""
+
+    def __init__(self, lengths, num_heads, q, k, block_table, scores, topk=16, chunk_rows=2048):
+        self.lengths, self.num_heads, self.q, self.k = lengths, num_heads, q, k
+        self.block_table, self.scores, self.topk, self.chunk_rows = block_table, scores, topk, chunk_rows
+        self.one = torch.ones((), device=q.device)
+        starts = [0]
+        for q_len, _ in lengths:
+            starts.append(starts[-1] + q_len)
+        self.starts = starts
+        positions = torch.cat([torch.arange(kv - ql, kv) for ql, kv in lengths]).to(q.device)
+        self.history = (positions // PAGE_SIZE).repeat_interleave(num_heads)
+        self.out = torch.empty(q.shape[0] * num_heads, topk, dtype=torch.int64, device=q.device)
+
+    def __call__(self, select: bool = True):
+        rows_q = self.q.view(-1, HEAD_DIM)
+        for b, (q_len, kv_len) in enumerate(self.lengths):
+            pages = (kv_len - 1) // PAGE_SIZE
+            if pages == 0:
+                continue
+            keys = self.k[self.block_table[b, :pages].long()].view(-1, HEAD_DIM)
+            first = self.starts[b] * self.num_heads
+            last = self.starts[b + 1] * self.num_heads
+            for r0 in range(first, last, self.chunk_rows):
+                r1 = min(last, r0 + self.chunk_rows)
+                logits = torch._scaled_mm(rows_q[r0:r1], keys.t(), scale_a=self.one, scale_b=self.one, out_dtype=torch.float32)
+                self.scores[r0:r1, :pages] = logits.view(r1 - r0, pages, PAGE_SIZE).amax(dim=2)
+        if select:
+            cols = self.scores.shape[1]
+            masked = torch.where(torch.arange(cols, device=self.scores.device)[None, :] < self.history[:, None], self.scores, -torch.inf)
+            self.out[:, : min(self.topk - 1, cols)] = torch.topk(masked, min(self.topk - 1, cols), dim=1).indices
+        return self.scores
+
+
+def time_graphs(callables, warmup=5, samples=20):
+    """Median ms per call over rotation slots, each captured in its own CUDA graph."""
+    graphs = []
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in callables:
+            fn()  # warm-up: compiles, allocator
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    for fn in callables:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graphs.append(graph)
+    for _ in range(warmup):
+        for graph in graphs:
+            graph.replay()
+    times = []
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for graph in graphs:
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(graphs))
+    return statistics.median(times), statistics.pstdev(times) / statistics.mean(times)
+
+
+def bench_case(case, num_heads, device, seed, baseline: bool):
+    lengths = sequence_lengths(case)
+    unique_bytes = sum((kv - 1) // PAGE_SIZE * PAGE_SIZE * HEAD_DIM for _, kv in lengths) + case["total_q"] * 17 * 4
+    slots = min(8, 2 * L2_BYTES // max(1, unique_bytes) + 2)
+    generator = torch.Generator().manual_seed(seed)
+    bounds = dict(total_q=case["total_q"], max_seqlen_q=max(q for q, _ in lengths), max_seqlen_k=max(kv for _, kv in lengths))
+    runs, scores_only, base_runs = [], [], []
+    tasks = None
+    for _ in range(slots):
+        q, k, cu, seq_lens, block_table = make_inputs(lengths, num_heads, device, generator)
+        wrapper = BatchPrefillIndexerQ8KV8Wrapper(num_heads)
+        wrapper.plan(cu, seq_lens, block_table, **bounds)
+        tasks = int(wrapper.task_plan.num_tasks[0])
+        runs.append(lambda w=wrapper, q=q, k=k: w.run(q, k))
+        scores_only.append(lambda w=wrapper, q=q, k=k: w.run_scores(q, k))
+        if baseline:
+            scores = torch.empty_like(wrapper.scores)
+            base_runs.append(TorchFp8Baseline(lengths, num_heads, q, k, block_table, scores))
+    result = dict(case_id=case["case_id"], batch=case["batch_size"], total_q=case["total_q"], max_kv=case["max_final_kv"],
+                  weight=case.get("representative_weight") or 0, num_heads=num_heads, slots=slots, tasks=tasks,
+                  backend=wrapper.active_backend, useful_flops=useful_flops(lengths, num_heads))
+    result["scores_ms"], result["scores_cv"] = time_graphs(scores_only)
+    result["run_ms"], result["run_cv"] = time_graphs(runs)
+    if baseline:
+        result["baseline_ms"], result["baseline_cv"] = time_graphs(base_runs)
+    result["tflops_scores"] = result["useful_flops"] / result["scores_ms"] / 1e9
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="only the 16 weighted batch-1 cases")
+    parser.add_argument("--heads", default="4", help="comma-separated H values (1, 2, 4)")
+    parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--limit", type=int, default=0, help="first N cases only")
+    parser.add_argument("--output", default=None, help="JSON results path")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("indexer.bench needs a CUDA GPU")
+    device = torch.device("cuda")
+    cases = load_cases(args.quick)
+    if args.limit:
+        cases = cases[: args.limit]
+    results = []
+    for num_heads in (int(h) for h in args.heads.split(",")):
+        for index, case in enumerate(cases):
+            result = bench_case(case, num_heads, device, args.seed + index, baseline=not args.no_baseline)
+            results.append(result)
+            print(json.dumps(result), flush=True)
+    if args.output:
+        pathlib.Path(args.output).write_text(json.dumps(results, indent=1))
+    print_summary(results)
+
+
+def print_summary(results):
+    print("\n| H | case | B | q | max kv | tasks | scores us | run us | baseline us | TFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        base = f"{r['baseline_ms'] * 1e3:.0f}" if "baseline_ms" in r else "-"
+        print(f"| {r['num_heads']} | {r['case_id'][-8:]} | {r['batch']} | {r['total_q']} | {r['max_kv']} | {r['tasks']} | "
+              f"{r['scores_ms'] * 1e3:.1f} | {r['run_ms'] * 1e3:.1f} | {base} | {r['tflops_scores']:.0f} |")
+    for num_heads in sorted({r["num_heads"] for r in results}):
+        subset = [r for r in results if r["num_heads"] == num_heads and r["weight"]]
+        if not subset:
+            continue
+        weight = sum(r["weight"] for r in subset)
+        line = f"H={num_heads}: weighted mean scores {sum(r['weight'] * r['scores_ms'] for r in subset) / weight * 1e3:.1f} us"
+        line += f", run {sum(r['weight'] * r['run_ms'] for r in subset) / weight * 1e3:.1f} us"
+        if all("baseline_ms" in r for r in subset):
+            line += f", baseline {sum(r['weight'] * r['baseline_ms'] for r in subset) / weight * 1e3:.1f} us"
+        floor = sum(r["weight"] * r["useful_flops"] for r in subset) / weight / (MEASURED_CUBLAS_FP8_TFLOPS * 1e12) * 1e6
+        line += f", floor at {MEASURED_CUBLAS_FP8_TFLOPS:.0f} TFLOP/s {floor:.1f} us"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

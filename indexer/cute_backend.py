@@ -1,0 +1,90 @@
+"""Host side of the SM90 CuTe DSL kernels: tensor conversion, compile cache, launch.
+
+Kernels are compiled once per static key (kernel, num_heads, SM count, DSL version) with every
+extent and stride dynamic, so any batch, context, score pitch or page stride reuses them. A compile
+that would be needed inside CUDA-graph capture raises instead (warm up before capturing).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import threading
+
+import torch
+
+__all__ = ["dsl_available", "dsl_version", "PageScoreRunner"]
+
+_lock = threading.Lock()
+_compiled: dict = {}
+
+
+def dsl_version() -> str:
+    return importlib.metadata.version("nvidia-cutlass-dsl")
+
+
+def dsl_available() -> bool:
+    try:
+        import cutlass  # noqa: F401
+        import cutlass.cute  # noqa: F401
+    except Exception:  # the DSL is an optional runtime dependency of the torch path
+        return False
+    return True
+
+
+def _as_cute(tensor: torch.Tensor, *, leading_dim: int, align: int, fp8: bool = False):
+    import cutlass
+    from cutlass.cute.runtime import from_dlpack
+
+    if fp8:
+        converted = from_dlpack(tensor.view(torch.uint8), assumed_align=align)
+        converted.element_type = cutlass.Float8E4M3FN
+    else:
+        converted = from_dlpack(tensor, assumed_align=align)
+    return converted.mark_layout_dynamic(leading_dim=leading_dim)
+
+
+def _stream():
+    import cuda.bindings.driver as cuda_driver
+
+    return cuda_driver.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+class PageScoreRunner:
+    """Runs ``PageScoreKernelSm90`` for one ``num_heads`` on the current device."""
+
+    def __init__(self, num_heads: int, device: torch.device):
+        self.num_heads = num_heads
+        self.device = device
+        self.num_ctas = torch.cuda.get_device_properties(device).multi_processor_count
+
+    def __call__(self, q, k_pages, scores, block_table, descriptors, num_tasks) -> None:
+        arguments = (
+            _as_cute(q.view(q.shape[0] * q.shape[1], q.shape[2]), leading_dim=1, align=16, fp8=True),
+            _as_cute(k_pages.permute(1, 2, 0), leading_dim=1, align=16, fp8=True),
+            _as_cute(scores, leading_dim=1, align=4),
+            _as_cute(block_table, leading_dim=1, align=4),
+            _as_cute(descriptors, leading_dim=1, align=16),
+            _as_cute(num_tasks, leading_dim=0, align=4),
+        )
+        stream = _stream()
+        kernel = self._compiled(arguments, stream)
+        kernel(*arguments, stream)
+
+    def _compiled(self, arguments, stream):
+        key = ("page_scores_sm90", self.num_heads, self.num_ctas, dsl_version())
+        compiled = _compiled.get(key)
+        if compiled is not None:
+            return compiled
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "the indexer's CuTe kernel must be compiled before CUDA graph capture: run it once (warm-up) first"
+            )
+        import cutlass.cute as cute
+
+        from .kernels.score_sm90 import PageScoreKernelSm90
+
+        with _lock:
+            if key not in _compiled:
+                kernel = PageScoreKernelSm90(self.num_heads)
+                _compiled[key] = cute.compile(kernel, *arguments, self.num_ctas, stream)
+        return _compiled[key]

@@ -1,0 +1,305 @@
+"""Persistent, warp-specialised FP8 page-score kernel for SM90 (H100/H200), in CuTe DSL.
+
+One CTA = one producer warpgroup + two consumer warpgroups (64 score rows each, 128-row q tiles).
+The producer's first warp walks the plan's task list (static round-robin over CTAs, heaviest tasks
+first) and loads, by TMA, the task's Q tile into a 2-stage ring (the next task's Q lands while the
+current pages are consumed) and each history page of the task, addressed by its physical page id
+(the next block-table entry is read while the current TMA is in flight), into a multi-stage K ring.
+The consumers run ``wgmma.m64n128k32`` e4m3 x e4m3 -> f32 four times per page (K = 128), reduce
+each accumulator row to its page maximum (registers, then two quad shuffles) and store one fp32
+per (row, page) for pages before the row's local page only. No atomics; the output is deterministic.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+__all__ = ["PageScoreKernelSm90"]
+
+_DESCRIPTOR_TOKEN_BEGIN = 0
+_DESCRIPTOR_POSITION_BEGIN = 1
+_DESCRIPTOR_REQUEST = 2
+_DESCRIPTOR_PACKED = 3
+
+
+class WarpRole(enum.IntEnum):
+    """Warpgroup indices inside the CTA."""
+
+    PRODUCER = 0
+    FIRST_CONSUMER = 1
+
+
+class PageScoreKernelSm90:
+    """Static configuration of the score kernel; ``__call__`` is the host-side (traced) launcher.
+
+    ``num_heads`` (H) is static so row -> token divisions are shifts. Rows of a q tile are
+    ``(token, head)`` interleaved: tile row ``i`` is token ``i // H``, head ``i % H``.
+    """
+
+    page_size = 128
+    head_dim = 128
+    tile_rows = 128
+    num_consumer_warpgroups = 2
+    threads_per_warpgroup = 128
+    producer_registers = 40
+    consumer_registers = 232
+
+    def __init__(self, num_heads: int, *, k_stages: int = 8, q_stages: int = 2):
+        if num_heads not in (1, 2, 4):
+            raise ValueError(f"num_heads must be 1, 2 or 4, got {num_heads}")
+        if not 2 <= k_stages <= 12:
+            raise ValueError(f"k_stages must lie in [2, 12], got {k_stages}")
+        if q_stages not in (1, 2):
+            raise ValueError(f"q_stages must be 1 or 2, got {q_stages}")
+        self.num_heads = num_heads
+        self.k_stages = k_stages
+        self.q_stages = q_stages
+        self.threads_per_cta = (1 + self.num_consumer_warpgroups) * self.threads_per_warpgroup
+        self.tile_bytes = self.tile_rows * self.head_dim  # one fp8 Q tile or K page
+
+    def _smem_layout(self, stages: int):
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, cutlass.Float8E4M3FN, self.head_dim),
+            cutlass.Float8E4M3FN,
+        )
+        return cute.tile_to_shape(atom, (self.tile_rows, self.head_dim, stages), order=(0, 1, 2))
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (total_q * H, 128) e4m3, K-major
+        mK: cute.Tensor,  # (128 tokens, 128 dims, num_pages) e4m3, page stride free
+        mScores: cute.Tensor,  # (total_q * H, pitch) fp32, unit column stride
+        mBlockTable: cute.Tensor,  # (B, >= max_pages) int32
+        mDescriptors: cute.Tensor,  # (task_capacity, 4) int32
+        mNumTasks: cute.Tensor,  # (1,) int32
+        num_ctas: cutlass.Constexpr,
+        stream,
+    ):
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            cutlass.Float8E4M3FN,
+            cutlass.Float8E4M3FN,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.K,
+            cutlass.Float32,
+            (self.num_consumer_warpgroups, 1, 1),
+            tiler_mn=(64, self.page_size),
+        )
+        sQ_layout = self._smem_layout(self.q_stages)
+        sK_layout = self._smem_layout(self.k_stages)
+        tile = (self.tile_rows, self.head_dim)
+        tma_atom_q, mQ_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.slice_(sQ_layout, (None, None, 0)), tile
+        )
+        tma_atom_k, mK_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mK, cute.slice_(sK_layout, (None, None, 0)), tile
+        )
+
+        @cute.struct
+        class SharedStorage:
+            q_barriers: cute.struct.MemRange[cutlass.Int64, self.q_stages * 2]
+            k_barriers: cute.struct.MemRange[cutlass.Int64, self.k_stages * 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN, cute.cosize(sK_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            tma_atom_q,
+            mQ_tma,
+            tma_atom_k,
+            mK_tma,
+            mScores,
+            mBlockTable,
+            mDescriptors,
+            mNumTasks,
+            tiled_mma,
+            sQ_layout,
+            sK_layout,
+        ).launch(
+            grid=(num_ctas, 1, 1),
+            block=(self.threads_per_cta, 1, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_atom_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        mScores: cute.Tensor,
+        mBlockTable: cute.Tensor,
+        mDescriptors: cute.Tensor,
+        mNumTasks: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warpgroup_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
+        cta_idx, _, _ = cute.arch.block_idx()
+        num_ctas, _, _ = cute.arch.grid_dim()
+
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom_q)
+            cpasync.prefetch_descriptor(tma_atom_k)
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        consumer_warps = self.num_consumer_warpgroups * self.threads_per_warpgroup // 32
+        q_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.q_barriers.data_ptr(),
+            num_stages=self.q_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+            tx_count=self.tile_bytes,
+            defer_sync=True,
+        )
+        k_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.k_barriers.data_ptr(),
+            num_stages=self.k_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+            tx_count=self.tile_bytes,
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive()
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        pipeline.pipeline_init_wait()
+
+        num_tasks = mNumTasks[0]
+        if warpgroup_idx == WarpRole.PRODUCER:
+            cute.arch.warpgroup_reg_dealloc(self.producer_registers)
+            if warp_idx == 0:
+                self.load(tma_atom_q, mQ, tma_atom_k, mK, sQ, sK, mBlockTable, mDescriptors,
+                          q_pipeline, k_pipeline, cta_idx, num_ctas, num_tasks)
+        else:
+            cute.arch.warpgroup_reg_alloc(self.consumer_registers)
+            self.score(tiled_mma, sQ, sK, mScores, mDescriptors, q_pipeline, k_pipeline,
+                       tidx - self.threads_per_warpgroup, cta_idx, num_ctas, num_tasks)
+
+    @cute.jit
+    def load(self, tma_atom_q, mQ, tma_atom_k, mK, sQ, sK, mBlockTable, mDescriptors,
+             q_pipeline, k_pipeline, cta_idx, num_ctas, num_tasks):
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.k_stages)
+        tile = (self.tile_rows, self.head_dim)
+        gK = cute.local_tile(mK, tile, (None, None, None))  # (128, 128, 1, 1, num_pages)
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        for task in cutlass.range(cta_idx, num_tasks, num_ctas, unroll=1):
+            row_begin = mDescriptors[task, _DESCRIPTOR_TOKEN_BEGIN] * self.num_heads
+            request = mDescriptors[task, _DESCRIPTOR_REQUEST]
+            packed = mDescriptors[task, _DESCRIPTOR_PACKED]
+            page_begin = packed & 0xFFFF
+            page_count = ((packed >> 16) & 0x7F) + 1
+
+            gQ = cute.local_tile(cute.domain_offset((row_begin, 0), mQ), tile, (0, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            )
+            q_pipeline.producer_acquire(q_state)
+            cute.copy(tma_atom_q, tQgQ, tQsQ[(None, q_state.index)], tma_bar_ptr=q_pipeline.producer_get_barrier(q_state))
+            q_state.advance()
+
+            physical_page = mBlockTable[request, page_begin]
+            for page in cutlass.range(page_count, unroll=1):
+                # read the next entry now: its latency hides behind this page's TMA
+                next_page = page_begin + cutlass.min(page + 1, page_count - 1)
+                next_physical_page = mBlockTable[request, next_page]
+                k_pipeline.producer_acquire(k_state)
+                cute.copy(
+                    tma_atom_k,
+                    tKgK[(None, 0, 0, physical_page)],
+                    tKsK[(None, k_state.index)],
+                    tma_bar_ptr=k_pipeline.producer_get_barrier(k_state),
+                )
+                k_state.advance()
+                physical_page = next_physical_page
+        q_pipeline.producer_tail(q_state)
+        k_pipeline.producer_tail(k_state)
+
+    @cute.jit
+    def score(self, tiled_mma, sQ, sK, mScores, mDescriptors, q_pipeline, k_pipeline,
+              consumer_tidx, cta_idx, num_ctas, num_tasks):
+        thr_mma = tiled_mma.get_slice(consumer_tidx)
+        tSrQ = tiled_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        tSrK = tiled_mma.make_fragment_B(thr_mma.partition_B(sK))
+        tScS = thr_mma.partition_C(cute.make_identity_tensor((self.tile_rows, self.page_size)))
+        acc = cute.make_rmem_tensor(tScS.shape, cutlass.Float32)
+        num_k_blocks = cute.size(tSrQ, mode=[2])
+        # SM90 accumulator of m64n128: value v = col_pair + 2 * row_half + 4 * col_group.
+        values_per_row = cute.size(acc) // 2
+        is_writer = consumer_tidx % 4 == 0  # one lane of each quad holds the reduced row
+        first_row = tScS[0][0]
+        second_row = tScS[2][0]
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.k_stages)
+        for task in cutlass.range(cta_idx, num_tasks, num_ctas, unroll=1):
+            row_begin = mDescriptors[task, _DESCRIPTOR_TOKEN_BEGIN] * self.num_heads
+            position_begin = mDescriptors[task, _DESCRIPTOR_POSITION_BEGIN]
+            packed = mDescriptors[task, _DESCRIPTOR_PACKED]
+            page_begin = packed & 0xFFFF
+            page_count = ((packed >> 16) & 0x7F) + 1
+            valid_rows = (((packed >> 23) & 0xFF) + 1) * self.num_heads
+            # history length L of each of this thread's two rows
+            first_history = (position_begin + first_row // self.num_heads) // self.page_size
+            second_history = (position_begin + second_row // self.num_heads) // self.page_size
+
+            q_pipeline.consumer_wait(q_state)
+            for page_offset in cutlass.range(page_count, unroll=1):
+                page = page_begin + page_offset
+                k_pipeline.consumer_wait(k_state)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                warpgroup.fence()
+                for k_block in cutlass.range_constexpr(num_k_blocks):
+                    cute.gemm(
+                        tiled_mma,
+                        acc,
+                        tSrQ[(None, None, k_block, q_state.index)],
+                        tSrK[(None, None, k_block, k_state.index)],
+                        acc,
+                    )
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                k_pipeline.consumer_release(k_state)
+                k_state.advance()
+
+                first_max = self._quad_max(self._row_max(acc, 0, values_per_row))
+                second_max = self._quad_max(self._row_max(acc, 1, values_per_row))
+                if is_writer:
+                    if first_row < valid_rows:
+                        if page < first_history:
+                            mScores[row_begin + first_row, page] = first_max
+                    if second_row < valid_rows:
+                        if page < second_history:
+                            mScores[row_begin + second_row, page] = second_max
+            q_pipeline.consumer_release(q_state)
+            q_state.advance()
+
+    @staticmethod
+    def _row_max(acc, half: int, values_per_row: int):
+        """Max over this thread's values of one accumulator row, as a balanced tree (trace time)."""
+        values = [acc[pair + 2 * half + 4 * group] for group in range(values_per_row // 2) for pair in range(2)]
+        while len(values) > 1:
+            values = [cute.arch.fmax(values[i], values[i + 1]) for i in range(0, len(values), 2)]
+        return values[0]
+
+    @staticmethod
+    def _quad_max(value):
+        """Max across the four lanes that share an accumulator row."""
+        value = cute.arch.fmax(value, cute.arch.shuffle_sync_bfly(value, offset=1))
+        return cute.arch.fmax(value, cute.arch.shuffle_sync_bfly(value, offset=2))

@@ -1,0 +1,29 @@
+"""The dynamic-shape signatures the kernels are compiled for, shared by the CPU compile check and
+the runtime so both build exactly the same kernel type.
+
+Every extent and every stride except the unit column stride is dynamic: one compiled kernel serves
+every batch, context length, score-buffer pitch and K-cache page stride.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+__all__ = ["score_kernel_fake_arguments"]
+
+
+def _dynamic(divisibility: int = 1):
+    return cute.sym_int64(divisibility=divisibility)
+
+
+def score_kernel_fake_arguments():
+    """Fake (compile-time) tensors for ``PageScoreKernelSm90.__call__``, in its argument order."""
+    q = make_fake_tensor(cutlass.Float8E4M3FN, (cute.sym_int32(), 128), (128, 1), assumed_align=16)
+    k = make_fake_tensor(cutlass.Float8E4M3FN, (128, 128, cute.sym_int32()), (128, 1, _dynamic(16)), assumed_align=16)
+    scores = make_fake_tensor(cutlass.Float32, (cute.sym_int32(), cute.sym_int32()), (_dynamic(), 1), assumed_align=4)
+    block_table = make_fake_tensor(cutlass.Int32, (cute.sym_int32(), cute.sym_int32()), (_dynamic(), 1), assumed_align=4)
+    descriptors = make_fake_tensor(cutlass.Int32, (cute.sym_int32(), 4), (4, 1), assumed_align=16)
+    num_tasks = make_fake_tensor(cutlass.Int32, (1,), (1,), assumed_align=4)
+    return q, k, scores, block_table, descriptors, num_tasks, make_fake_stream()
