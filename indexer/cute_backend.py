@@ -12,7 +12,7 @@ import threading
 
 import torch
 
-__all__ = ["dsl_available", "dsl_version", "PageScoreRunner"]
+__all__ = ["dsl_available", "dsl_version", "PageScoreRunner", "run_topk_select"]
 
 _lock = threading.Lock()
 _compiled: dict = {}
@@ -68,23 +68,40 @@ class PageScoreRunner:
         )
         stream = _stream()
         kernel = self._compiled(arguments, stream)
-        kernel(*arguments, stream)
+        kernel(*arguments, self.num_ctas, stream)
 
     def _compiled(self, arguments, stream):
-        key = ("page_scores_sm90", self.num_heads, self.num_ctas, dsl_version())
-        compiled = _compiled.get(key)
-        if compiled is not None:
-            return compiled
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "the indexer's CuTe kernel must be compiled before CUDA graph capture: run it once (warm-up) first"
-            )
-        import cutlass.cute as cute
-
         from .kernels.score_sm90 import PageScoreKernelSm90
 
-        with _lock:
-            if key not in _compiled:
-                kernel = PageScoreKernelSm90(self.num_heads)
-                _compiled[key] = cute.compile(kernel, *arguments, self.num_ctas, stream)
-        return _compiled[key]
+        key = ("page_scores_sm90", self.num_heads, self.num_ctas, dsl_version())
+        return _compile_once(key, lambda: PageScoreKernelSm90(self.num_heads), (*arguments, self.num_ctas, stream))
+
+
+def run_topk_select(scores: torch.Tensor, num_valid_pages: torch.Tensor, out: torch.Tensor) -> None:
+    """The GPU top-16 select (``indexer/kernels/topk_select.py``) on validated CUDA tensors."""
+    from .kernels.topk_select import TopkSelectKernel
+
+    arguments = (
+        _as_cute(scores, leading_dim=1, align=4),
+        _as_cute(num_valid_pages, leading_dim=0, align=4),
+        _as_cute(out, leading_dim=1, align=4),
+        _stream(),
+    )
+    kernel = _compile_once(("topk_select", dsl_version()), TopkSelectKernel, arguments)
+    kernel(*arguments)
+
+
+def _compile_once(key, make_kernel, arguments):
+    compiled = _compiled.get(key)
+    if compiled is not None:
+        return compiled
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "the indexer's CuTe kernels must be compiled before CUDA graph capture: run them once (warm-up) first"
+        )
+    import cutlass.cute as cute
+
+    with _lock:
+        if key not in _compiled:
+            _compiled[key] = cute.compile(make_kernel(), *arguments)
+    return _compiled[key]

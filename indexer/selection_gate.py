@@ -23,6 +23,7 @@ def selection_gate(
     num_valid_pages: torch.Tensor,
     *,
     topk: int = 16,
+    score_tolerance: torch.Tensor = None,
 ) -> torch.Tensor:
     """Per row, whether ``selection`` (``[rows, topk]`` int) passes the gate against ``reference_scores``.
 
@@ -30,7 +31,8 @@ def selection_gate(
     local page ``n - 1`` in the last slot, distinct history pages in the others whose reference scores
     are non-increasing within ``tol``, each at least the ``(topk-1)``-th best score minus ``tol``, and
     every page scoring above that threshold plus ``tol`` selected; ``tol = 1.5 (max - min) / 65534``
-    over the row's history.
+    over the row's history. ``score_tolerance`` (``[rows]``, optional) widens ``tol`` by twice the given
+    per-row bound on the scores' error, for selections computed from approximate (e.g. FP8) scores.
     """
     rows = selection.shape[0]
     if tuple(selection.shape) != (rows, topk) or reference_scores.shape[0] != rows or num_valid_pages.shape[0] != rows:
@@ -47,11 +49,12 @@ def selection_gate(
             reference_scores[begin:end],
             num_valid_pages[begin:end].to(torch.int64),
             topk,
+            None if score_tolerance is None else score_tolerance[begin:end].to(torch.float64),
         )
     return passed
 
 
-def _gate_rows(selection, scores, valid_pages, topk):
+def _gate_rows(selection, scores, valid_pages, topk, score_tolerance):
     rows, cols = scores.shape
     device = scores.device
     slots = torch.arange(topk, device=device)
@@ -68,6 +71,8 @@ def _gate_rows(selection, scores, valid_pages, topk):
     low = torch.where(in_history, exact, torch.inf).amin(dim=1)
     high = torch.where(in_history, exact, -torch.inf).amax(dim=1)
     tolerance = GATE_STEPS * (high - low) / QUANT_LEVELS
+    if score_tolerance is not None:
+        tolerance = tolerance + 2 * score_tolerance
 
     picked = selection[:, : topk - 1]
     local_ok = selection[:, -1] == history

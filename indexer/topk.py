@@ -23,6 +23,7 @@ def topk_select(
     topk: int = 16,
     out: Optional[torch.Tensor] = None,
     validate: bool = False,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Select ``topk`` logical pages per row, the local page forced into the last valid slot.
 
@@ -30,16 +31,34 @@ def topk_select(
     ``[0, num_valid_pages[r] - 1)`` of row ``r`` are read. Returns ``[rows, topk]`` int32 (``out``
     when given). Checks that need the values of ``num_valid_pages`` (``1 <= n <= cols + 1`` and
     ``n <= 65536``) run when ``validate=True`` and always for CPU tensors, where they cost no sync.
+
+    ``backend``: ``"auto"`` runs the GPU kernel for CUDA tensors with ``topk == 16`` when the CuTe DSL
+    is available (bitwise the same result, tested), torch ops otherwise; ``"torch"`` forces torch ops.
     """
+    if backend not in ("auto", "torch"):
+        raise ValueError(f"backend must be 'auto' or 'torch', got {backend!r}")
     validate_topk_inputs(scores, num_valid_pages, topk=topk, out=out, validate=validate)
     if out is None:
         out = torch.empty(scores.shape[0], topk, dtype=torch.int32, device=scores.device)
+    if backend == "auto" and _kernel_serves(scores, topk) and scores.shape[0] > 0:
+        from .cute_backend import run_topk_select
+
+        run_topk_select(scores, num_valid_pages, out)
+        return out
     rows, cols = scores.shape
     chunk = max(1, _ROW_CHUNK_ELEMENTS // max(cols, topk))
     for begin in range(0, rows, chunk):
         end = min(rows, begin + chunk)
         out[begin:end] = _select_rows(scores[begin:end], num_valid_pages[begin:end], topk)
     return out
+
+
+def _kernel_serves(scores: torch.Tensor, topk: int) -> bool:
+    if scores.device.type != "cuda" or topk != 16:
+        return False
+    from .cute_backend import dsl_available
+
+    return dsl_available()
 
 
 def validate_topk_inputs(scores, num_valid_pages, *, topk, out, validate) -> None:

@@ -232,7 +232,14 @@ class BatchPrefillIndexerQ8KV8Wrapper:
             if self._topk_out is None:
                 self._topk_out = torch.empty(expected, dtype=torch.int32, device=scores.device)
             out = self._topk_out
-        topk_select(scores, plan.num_valid_pages, topk=self.topk, out=out.view(-1, self.topk), validate=self._validate)
+        topk_select(
+            scores,
+            plan.num_valid_pages,
+            topk=self.topk,
+            out=out.view(-1, self.topk),
+            validate=self._validate,
+            backend="torch" if self._backend_choice.name == "torch" else "auto",
+        )
         return out
 
     # ------------------------------------------------------------------ state

@@ -63,7 +63,7 @@ def test_scores_match_the_exact_reference_within_the_fp8_bound(num_heads):
 
 
 @pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
-def test_selection_from_kernel_scores_passes_the_gate_mostly():
+def test_fp8_selection_is_right_up_to_the_fp8_error_bound():
     case = make_case([(2000, 30000), (300, 12000)], num_heads=4, seed=7)
     results, _, _ = run_both(case, 4)
     (torch_wrapper, exact), (_, kernel) = results["torch"], results["cute"]
@@ -71,10 +71,42 @@ def test_selection_from_kernel_scores_passes_the_gate_mostly():
     valid = torch_wrapper.num_valid_pages
     selection = topk_select(kernel[:, :cols], valid)
     reference = topk_select(exact[:, :cols], valid)
-    passed = selection_gate(selection, exact[:, :cols], valid)
+    history = torch.arange(cols, device=valid.device)[None, :] < (valid[:, None] - 1)
+    bound = magnitude_bound(case, 4, exact.device)
+    row_error_bound = FP8_RELATIVE_BOUND * torch.where(history, bound[:, :cols], 0).amax(dim=1)
+    strict = selection_gate(selection, exact[:, :cols], valid)
+    widened = selection_gate(selection, exact[:, :cols], valid, score_tolerance=row_error_bound)
     identical = (selection == reference).all(dim=1)
-    print(f"rows {valid.numel()}: identical {identical.float().mean().item():.4f}, gate {passed.float().mean().item():.4f}")
-    assert passed.float().mean().item() > 0.95
+    ranked = valid > 16
+    same_set = torch.stack([torch.isin(a[:15], b[:15]).all() for a, b in zip(selection[ranked], reference[ranked])])
+    lost = (exact.gather(1, reference[:, :15].clamp(min=0).long()).sum(1) - exact.gather(1, selection[:, :15].clamp(min=0).long()).sum(1))[ranked]
+    print(f"ranked rows {int(ranked.sum())}: identical {identical[ranked].float().mean():.4f}, same top-15 set "
+          f"{same_set.float().mean():.4f}, strict gate {strict[ranked].float().mean():.4f}, widened gate "
+          f"{widened.float().mean():.4f}, reference score lost per row: mean {lost.mean():.2e} max {lost.max():.2e}")
+    assert bool(widened.all())
+
+
+@pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
+def test_gpu_topk_matches_the_torch_topk_bitwise():
+    generator = torch.Generator().manual_seed(11)
+    rows = []
+    # random rows of many magnitudes, ties, all-equal rows, few-ulp ranges at large magnitude (clamp to 0)
+    scores = torch.randn(3000, 9000, generator=generator) * torch.logspace(-30, 30, 3000)[:, None]
+    scores[:100] = torch.randint(-2, 3, (100, 9000), generator=generator).float()
+    scores[100:120] = 3.25
+    scores[120:200] = 1.0e6 + torch.randint(0, 4, (80, 9000), generator=generator).float() * 2.0**-4
+    valid = torch.randint(1, 9001, (3000,), generator=generator, dtype=torch.int32)
+    valid[:40] = 9001
+    valid[40:60] = torch.arange(1, 21, dtype=torch.int32)
+    wide = torch.full((3000, 9100), float("nan"))
+    wide[:, :9000] = scores
+    for buffer in (scores, wide[:, :9000]):
+        expected = topk_select(buffer, valid, backend="torch")
+        got = topk_select(buffer.cuda(), valid.cuda())
+        assert torch.equal(got.cpu(), expected)
+    long_rows = torch.randn(4, 65535, generator=generator)
+    long_valid = torch.tensor([65536, 40000, 17, 16], dtype=torch.int32)
+    assert torch.equal(topk_select(long_rows.cuda(), long_valid.cuda()).cpu(), topk_select(long_rows, long_valid))
 
 
 @pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")

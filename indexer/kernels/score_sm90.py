@@ -13,6 +13,7 @@ per (row, page) for pages before the row's local page only. No atomics; the outp
 from __future__ import annotations
 
 import enum
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -27,6 +28,22 @@ _DESCRIPTOR_TOKEN_BEGIN = 0
 _DESCRIPTOR_POSITION_BEGIN = 1
 _DESCRIPTOR_REQUEST = 2
 _DESCRIPTOR_PACKED = 3
+
+
+class RowTargets(NamedTuple):
+    """Where this thread's two accumulator rows go for the current task."""
+
+    tidx: cutlass.Int32
+    row_begin: cutlass.Int32
+    valid_rows: cutlass.Int32
+    first_row: cutlass.Int32
+    second_row: cutlass.Int32
+    first_history: cutlass.Int32  # L of the first row: pages [0, L) are written
+    second_history: cutlass.Int32
+
+    @property
+    def is_writer(self):
+        return self.tidx % 4 == 0  # one lane of each quad holds the reduced row
 
 
 class WarpRole(enum.IntEnum):
@@ -203,7 +220,9 @@ class PageScoreKernelSm90:
             request = mDescriptors[task, _DESCRIPTOR_REQUEST]
             packed = mDescriptors[task, _DESCRIPTOR_PACKED]
             page_begin = packed & 0xFFFF
-            page_count = ((packed >> 16) & 0x7F) + 1
+            # An odd chunk is padded with the next page: it exists (at most the local page of the
+            # tile's last token) and the consumers never store it, since it is not before any row's L.
+            page_count = (((packed >> 16) & 0x7F) + 2) // 2 * 2
 
             gQ = cute.local_tile(cute.domain_offset((row_begin, 0), mQ), tile, (0, 0))
             tQsQ, tQgQ = cpasync.tma_partition(
@@ -237,58 +256,89 @@ class PageScoreKernelSm90:
         tSrQ = tiled_mma.make_fragment_A(thr_mma.partition_A(sQ))
         tSrK = tiled_mma.make_fragment_B(thr_mma.partition_B(sK))
         tScS = thr_mma.partition_C(cute.make_identity_tensor((self.tile_rows, self.page_size)))
-        acc = cute.make_rmem_tensor(tScS.shape, cutlass.Float32)
-        num_k_blocks = cute.size(tSrQ, mode=[2])
-        # SM90 accumulator of m64n128: value v = col_pair + 2 * row_half + 4 * col_group.
-        values_per_row = cute.size(acc) // 2
-        is_writer = consumer_tidx % 4 == 0  # one lane of each quad holds the reduced row
-        first_row = tScS[0][0]
+        first_row = tScS[0][0]  # SM90 m64n128 accumulator: value v = col_pair + 2 * row_half + 4 * col_group
         second_row = tScS[2][0]
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
-        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.k_stages)
+        k_read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.k_stages)
+        k_release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.k_stages)
         for task in cutlass.range(cta_idx, num_tasks, num_ctas, unroll=1):
             row_begin = mDescriptors[task, _DESCRIPTOR_TOKEN_BEGIN] * self.num_heads
             position_begin = mDescriptors[task, _DESCRIPTOR_POSITION_BEGIN]
             packed = mDescriptors[task, _DESCRIPTOR_PACKED]
             page_begin = packed & 0xFFFF
-            page_count = ((packed >> 16) & 0x7F) + 1
-            valid_rows = (((packed >> 23) & 0xFF) + 1) * self.num_heads
-            # history length L of each of this thread's two rows
-            first_history = (position_begin + first_row // self.num_heads) // self.page_size
-            second_history = (position_begin + second_row // self.num_heads) // self.page_size
+            page_pairs = (((packed >> 16) & 0x7F) + 2) // 2
+            rows = RowTargets(
+                consumer_tidx,
+                row_begin,
+                (((packed >> 23) & 0xFF) + 1) * self.num_heads,
+                first_row,
+                second_row,
+                (position_begin + first_row // self.num_heads) // self.page_size,
+                (position_begin + second_row // self.num_heads) // self.page_size,
+            )
 
             q_pipeline.consumer_wait(q_state)
-            for page_offset in cutlass.range(page_count, unroll=1):
-                page = page_begin + page_offset
-                k_pipeline.consumer_wait(k_state)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-                warpgroup.fence()
-                for k_block in cutlass.range_constexpr(num_k_blocks):
-                    cute.gemm(
-                        tiled_mma,
-                        acc,
-                        tSrQ[(None, None, k_block, q_state.index)],
-                        tSrK[(None, None, k_block, k_state.index)],
-                        acc,
-                    )
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.commit_group()
+            # Pages go in pairs: both pages' wgmmas are issued, then the first page is reduced while
+            # the second one's run. No wgmma stays in flight across the loop's back edge (ptxas would
+            # serialise them), and the other consumer warpgroup fills the tensor cores meanwhile.
+            # States are reassigned, never advanced in place, so the DSL carries them through loops.
+            for pair in cutlass.range(page_pairs, unroll=1):
+                page = page_begin + 2 * pair
+                acc_even = cute.make_rmem_tensor(tScS.shape, cutlass.Float32)
+                acc_odd = cute.make_rmem_tensor(tScS.shape, cutlass.Float32)
+                k_read_state = self._issue_page(tiled_mma, acc_even, tSrQ, tSrK, q_state, k_pipeline, k_read_state)
+                k_read_state = self._issue_page(tiled_mma, acc_odd, tSrQ, tSrK, q_state, k_pipeline, k_read_state)
+                warpgroup.wait_group(1)
+                k_release_state = self._release_page(k_pipeline, k_release_state)
+                self._store_page(acc_even, rows, mScores, page)
                 warpgroup.wait_group(0)
-                k_pipeline.consumer_release(k_state)
-                k_state.advance()
-
-                first_max = self._quad_max(self._row_max(acc, 0, values_per_row))
-                second_max = self._quad_max(self._row_max(acc, 1, values_per_row))
-                if is_writer:
-                    if first_row < valid_rows:
-                        if page < first_history:
-                            mScores[row_begin + first_row, page] = first_max
-                    if second_row < valid_rows:
-                        if page < second_history:
-                            mScores[row_begin + second_row, page] = second_max
+                k_release_state = self._release_page(k_pipeline, k_release_state)
+                self._store_page(acc_odd, rows, mScores, page + 1)
             q_pipeline.consumer_release(q_state)
             q_state.advance()
+
+    @cute.jit
+    def _issue_page(self, tiled_mma, acc, tSrQ, tSrK, q_state, k_pipeline, k_read_state):
+        """Wait for the next K page and issue its four k32 wgmmas into ``acc`` (not waited on)."""
+        k_pipeline.consumer_wait(k_read_state)
+        warpgroup.fence()
+        # a fresh atom per page: setting ACCUMULATE on the loop-carried tiled MMA breaks SSA dominance
+        mma_atom = cute.make_mma_atom(tiled_mma.op)
+        for k_block in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            mma_atom.set(warpgroup.Field.ACCUMULATE, k_block != 0)
+            cute.gemm(
+                mma_atom,
+                acc,
+                tSrQ[(None, None, k_block, q_state.index)],
+                tSrK[(None, None, k_block, k_read_state.index)],
+                acc,
+            )
+        warpgroup.commit_group()
+        next_state = k_read_state.clone()
+        next_state.advance()
+        return next_state
+
+    @cute.jit
+    def _release_page(self, k_pipeline, k_release_state):
+        k_pipeline.consumer_release(k_release_state)
+        next_state = k_release_state.clone()
+        next_state.advance()
+        return next_state
+
+    @cute.jit
+    def _store_page(self, acc, rows, mScores, page):
+        """Row maxima of one page; one lane per quad stores those before the row's local page."""
+        values_per_row = cute.size(acc) // 2
+        first_max = self._quad_max(self._row_max(acc, 0, values_per_row))
+        second_max = self._quad_max(self._row_max(acc, 1, values_per_row))
+        if rows.is_writer:
+            if rows.first_row < rows.valid_rows:
+                if page < rows.first_history:
+                    mScores[rows.row_begin + rows.first_row, page] = first_max
+            if rows.second_row < rows.valid_rows:
+                if page < rows.second_history:
+                    mScores[rows.row_begin + rows.second_row, page] = second_max
 
     @staticmethod
     def _row_max(acc, half: int, values_per_row: int):

@@ -11,7 +11,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-__all__ = ["score_kernel_fake_arguments"]
+__all__ = ["score_kernel_fake_arguments", "topk_kernel_fake_arguments"]
 
 
 def _dynamic(divisibility: int = 1):
@@ -27,3 +27,12 @@ def score_kernel_fake_arguments():
     descriptors = make_fake_tensor(cutlass.Int32, (cute.sym_int32(), 4), (4, 1), assumed_align=16)
     num_tasks = make_fake_tensor(cutlass.Int32, (1,), (1,), assumed_align=4)
     return q, k, scores, block_table, descriptors, num_tasks, make_fake_stream()
+
+
+def topk_kernel_fake_arguments():
+    """Fake tensors for ``TopkSelectKernel.__call__``, in its argument order."""
+    rows = cute.sym_int32()
+    scores = make_fake_tensor(cutlass.Float32, (rows, cute.sym_int32()), (_dynamic(), 1), assumed_align=4)
+    num_valid_pages = make_fake_tensor(cutlass.Int32, (rows,), (1,), assumed_align=4)
+    out = make_fake_tensor(cutlass.Int32, (rows, 16), (16, 1), assumed_align=4)
+    return scores, num_valid_pages, out, make_fake_stream()

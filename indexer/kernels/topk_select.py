@@ -1,0 +1,141 @@
+"""Forced-local-page top-k selection on the GPU, bit for bit the contract's (docs/INDEXER.md).
+
+One warp per score row, several rows per CTA, one launch for all rows. Each lane scans a strided
+share of the row's history twice: once for the min/max, once to build the 16-bit quantised keys, of
+which it keeps its 15 largest in registers (a branch-free compare-exchange chain). The warp then
+merges the lanes' lists in 15 rounds of a butterfly max. The arithmetic is written in PTX with
+explicit rounding (``sub.rn``, ``div.rn``, ``fma.rn``, ``cvt.rzi``) so no compiler contraction or
+approximation can change a key. Keys are held as signed int32 with the top bit flipped, which keeps
+the unsigned key order under signed comparisons.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+__all__ = ["TopkSelectKernel", "MAX_HISTORY_PAGES"]
+
+MAX_HISTORY_PAGES = 65535
+_INT32_MIN = -(2**31)
+
+
+def _asm_f32(ptx: str, *operands, loc=None, ip=None):
+    constraints = "=f," + ",".join("f" for _ in operands)
+    values = [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in operands]
+    return cutlass.Float32(
+        llvm.inline_asm(T.f32(), values, ptx, constraints, has_side_effects=False, is_align_stack=False,
+                        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    )
+
+
+@dsl_user_op
+def sub_rn(a, b, *, loc=None, ip=None):
+    return _asm_f32("sub.rn.f32 $0, $1, $2;", a, b, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def fmin(a, b, *, loc=None, ip=None):
+    return _asm_f32("min.f32 $0, $1, $2;", a, b, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def div_rn(a, b, *, loc=None, ip=None):
+    return _asm_f32("div.rn.f32 $0, $1, $2;", a, b, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def fma_rn(a, b, c, *, loc=None, ip=None):
+    return _asm_f32("fma.rn.f32 $0, $1, $2, $3;", a, b, c, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def truncate_to_u16_level(x, *, loc=None, ip=None):
+    """``clamp(trunc(x), 0, 65535)`` as an int32 (cvt.rzi saturates; the clamp bounds the top)."""
+    clamped = _asm_f32("min.f32 $0, $1, $2;", x, 65535.0, loc=loc, ip=ip)
+    return cutlass.Int32(
+        llvm.inline_asm(T.i32(), [cutlass.Float32(clamped).ir_value(loc=loc, ip=ip)], "cvt.rzi.sat.u32.f32 $0, $1;",
+                        "=r,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                        loc=loc, ip=ip)
+    )
+
+
+class TopkSelectKernel:
+    """``out[r, :] = select(scores[r, :n-1], n = num_valid_pages[r])`` for k = 16 (k - 1 ranked slots)."""
+
+    topk = 16
+    warps_per_cta = 4
+
+    @cute.jit
+    def __call__(
+        self,
+        mScores: cute.Tensor,  # (rows, pitch) fp32, unit column stride
+        mNumValidPages: cute.Tensor,  # (rows,) int32
+        mOut: cute.Tensor,  # (rows, 16) int32
+        stream,
+    ):
+        rows = cute.size(mNumValidPages, mode=[0])
+        grid = (rows + self.warps_per_cta - 1) // self.warps_per_cta
+        self.kernel(mScores, mNumValidPages, mOut).launch(
+            grid=(grid, 1, 1), block=(32 * self.warps_per_cta, 1, 1), stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mScores: cute.Tensor, mNumValidPages: cute.Tensor, mOut: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        row = cta * self.warps_per_cta + tidx // 32
+        if row < cute.size(mNumValidPages, mode=[0]):
+            num_valid = mNumValidPages[row]
+            if num_valid <= self.topk:
+                if lane < self.topk:
+                    mOut[row, lane] = lane if lane < num_valid else -1
+            else:
+                self.select_row(mScores, mOut, row, lane, num_valid)
+
+    @cute.jit
+    def select_row(self, mScores, mOut, row, lane, num_valid):
+        history = num_valid - 1
+        low = cutlass.Float32(float("inf"))
+        high = cutlass.Float32(float("-inf"))
+        for column in cutlass.range(lane, history, 32, unroll=1):
+            value = mScores[row, column]
+            low = fmin(low, value)
+            high = cute.arch.fmax(high, value)
+        for offset in cutlass.range_constexpr(5):
+            low = fmin(low, cute.arch.shuffle_sync_bfly(low, offset=1 << offset))
+            high = cute.arch.fmax(high, cute.arch.shuffle_sync_bfly(high, offset=1 << offset))
+        spread = sub_rn(high, low)
+        quotient = div_rn(65534.0, spread)
+        usable = (spread != 0.0) & (quotient < float("inf"))
+        scale = quotient if usable else cutlass.Float32(0.0)
+        bias = fma_rn(-low, scale, 1.5)
+
+        best = cute.make_rmem_tensor((self.topk - 1,), cutlass.Int32)
+        for slot in cutlass.range_constexpr(self.topk - 1):
+            best[slot] = _INT32_MIN
+        for column in cutlass.range(lane, history, 32, unroll=1):
+            level = truncate_to_u16_level(fma_rn(mScores[row, column], scale, bias))
+            key = ((level ^ 0x8000) << 16) | (~column & 0xFFFF)
+            for slot in cutlass.range_constexpr(self.topk - 1):
+                kept = best[slot]
+                best[slot] = cutlass.max(kept, key)
+                key = cutlass.min(kept, key)
+
+        page_of_lane = cutlass.Int32(-1)
+        for rank in cutlass.range_constexpr(self.topk - 1):
+            winner = best[0]
+            for offset in cutlass.range_constexpr(5):
+                winner = cutlass.max(winner, cute.arch.shuffle_sync_bfly(winner, offset=1 << offset))
+            won = best[0] == winner
+            for slot in cutlass.range_constexpr(self.topk - 2):
+                best[slot] = best[slot + 1] if won else best[slot]
+            best[self.topk - 2] = _INT32_MIN if won else best[self.topk - 2]
+            page_of_lane = (~winner & 0xFFFF) if lane == rank else page_of_lane
+        if lane < self.topk - 1:
+            mOut[row, lane] = page_of_lane
+        if lane == self.topk - 1:
+            mOut[row, lane] = history
