@@ -67,6 +67,7 @@ class TopkSelectKernel:
 
     topk = 16
     warps_per_cta = 4
+    cached_per_lane = 16  # rows of up to 512 history pages are read once
 
     @cute.jit
     def __call__(
@@ -99,9 +100,11 @@ class TopkSelectKernel:
     @cute.jit
     def select_row(self, mScores, mOut, row, lane, num_valid):
         history = num_valid - 1
-        low = cutlass.Float32(float("inf"))
-        high = cutlass.Float32(float("-inf"))
-        for column in cutlass.range(lane, history, 32, unroll=1):
+        # The first cached_per_lane * 32 scores stay in registers between the two passes; longer
+        # rows read the rest twice.
+        cached = cute.make_rmem_tensor((self.cached_per_lane,), cutlass.Float32)
+        low, high = self.load_cached(mScores, cached, row, lane, history)
+        for column in cutlass.range(lane + 32 * self.cached_per_lane, history, 32, unroll=1):
             value = mScores[row, column]
             low = fmin(low, value)
             high = cute.arch.fmax(high, value)
@@ -117,13 +120,9 @@ class TopkSelectKernel:
         best = cute.make_rmem_tensor((self.topk - 1,), cutlass.Int32)
         for slot in cutlass.range_constexpr(self.topk - 1):
             best[slot] = _INT32_MIN
-        for column in cutlass.range(lane, history, 32, unroll=1):
-            level = truncate_to_u16_level(fma_rn(mScores[row, column], scale, bias))
-            key = ((level ^ 0x8000) << 16) | (~column & 0xFFFF)
-            for slot in cutlass.range_constexpr(self.topk - 1):
-                kept = best[slot]
-                best[slot] = cutlass.max(kept, key)
-                key = cutlass.min(kept, key)
+        self.insert_cached(best, cached, lane, history, scale, bias)
+        for column in cutlass.range(lane + 32 * self.cached_per_lane, history, 32, unroll=1):
+            self.insert(best, self.key(mScores[row, column], column, scale, bias))
 
         page_of_lane = cutlass.Int32(-1)
         for rank in cutlass.range_constexpr(self.topk - 1):
@@ -139,3 +138,38 @@ class TopkSelectKernel:
             mOut[row, lane] = page_of_lane
         if lane == self.topk - 1:
             mOut[row, lane] = history
+
+    def load_cached(self, mScores, cached, row, lane, history):
+        """Trace-time unrolled: load the first columns into registers, return their min and max."""
+        low = cutlass.Float32(float("inf"))
+        high = cutlass.Float32(float("-inf"))
+        for i in range(self.cached_per_lane):
+            column = lane + 32 * i
+            in_history = column < history
+            # clamped address: always in bounds; a column past the history is loaded but unused
+            value = mScores[row, cutlass.min(column, history - 1)]
+            cached[i] = value
+            low = fmin(low, cutlass.Float32(cutlass.select_(in_history, value, float("inf"))))
+            high = cute.arch.fmax(high, cutlass.Float32(cutlass.select_(in_history, value, float("-inf"))))
+        return low, high
+
+    def insert_cached(self, best, cached, lane, history, scale, bias):
+        """Trace-time unrolled: insert the keys of the register-cached columns."""
+        for i in range(self.cached_per_lane):
+            column = lane + 32 * i
+            key = cutlass.Int32(cutlass.select_(column < history, self.key(cached[i], column, scale, bias), _INT32_MIN))
+            self.insert(best, key)
+
+    @cute.jit
+    def key(self, score, column, scale, bias):
+        level = truncate_to_u16_level(fma_rn(score, scale, bias))
+        return ((level ^ 0x8000) << 16) | (~column & 0xFFFF)
+
+    @cute.jit
+    def insert(self, best, key):
+        """Keep the lane's 15 largest keys, descending; most keys lose to the 15th and skip the chain."""
+        if key > best[self.topk - 2]:
+            for slot in cutlass.range_constexpr(self.topk - 1):
+                kept = best[slot]
+                best[slot] = cutlass.max(kept, key)
+                key = cutlass.min(kept, key)

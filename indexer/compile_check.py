@@ -1,0 +1,118 @@
+"""Compile every CuTe DSL kernel of the indexer for sm_90a without a GPU: ``python -m indexer.compile_check``.
+
+For each variant (score kernel for H = 1, 2, 4; the top-k select) it prints the wgmma instruction
+kinds found in the PTX and, when ``ptxas`` is on PATH, the registers and spill bytes it reports.
+Exits non-zero if a kernel fails to compile, an FP8 score variant lacks ``e4m3.e4m3`` wgmmas, or
+ptxas reports spills in a score kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _compile(kernel, arguments, dump_dir: pathlib.Path) -> pathlib.Path:
+    import cutlass.cute as cute
+
+    dump_dir.mkdir(parents=True, exist_ok=True)  # a missing dump dir fails silently
+    cute.compile(kernel, *arguments, options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {dump_dir}")
+    ptx_files = sorted(dump_dir.glob("*.ptx"))
+    if not ptx_files:
+        raise RuntimeError(f"no PTX was written to {dump_dir}")
+    return ptx_files[-1]
+
+
+def _ptx_text(path: pathlib.Path) -> str:
+    return path.read_bytes().replace(b"\x00", b"").decode("utf-8", errors="replace")
+
+
+def _ptxas_usage(ptx: str, work_dir: pathlib.Path):
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        return None
+    source = work_dir / "kernel.ptx"
+    source.write_text(ptx)
+    result = subprocess.run(
+        [ptxas, "-arch=sm_90a", "-v", str(source), "-o", str(work_dir / "kernel.cubin")],
+        capture_output=True, text=True,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"ptxas failed: {result.stderr.strip()[-2000:]}")
+    registers = re.findall(r"Used (\d+) registers", result.stderr)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", result.stderr)
+    serialized = "C7514" in result.stderr
+    return dict(
+        registers=max(int(r) for r in registers) if registers else None,
+        spill_bytes=sum(int(a) + int(b) for a, b in spills),
+        wgmma_serialized=serialized,
+    )
+
+
+def variants():
+    from .kernels.score_sm90 import PageScoreKernelSm90
+    from .kernels.signatures import score_kernel_fake_arguments, topk_kernel_fake_arguments
+    from .kernels.topk_select import TopkSelectKernel
+
+    for num_heads in (1, 2, 4):
+        q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments()
+        yield (f"page_scores_sm90_h{num_heads}", PageScoreKernelSm90(num_heads),
+               (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "e4m3.e4m3")
+    yield "topk_select", TopkSelectKernel(), topk_kernel_fake_arguments(), None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dump-dir", default=None, help="keep the PTX here (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    if os.environ.get("CUTE_DSL_ARCH") and importlib.metadata.version("nvidia-cutlass-dsl").startswith("4.3"):
+        print("note: CUTE_DSL_ARCH is set; DSL 4.3.x then tries to load the CUDA driver", file=sys.stderr)
+    root = pathlib.Path(args.dump_dir) if args.dump_dir else pathlib.Path(tempfile.mkdtemp(prefix="indexer_ptx_"))
+    print(f"nvidia-cutlass-dsl {importlib.metadata.version('nvidia-cutlass-dsl')}, target sm_90a, PTX in {root}")
+    failures = []
+    rows = []
+    for name, kernel, arguments, required_wgmma in variants():
+        start = time.perf_counter()
+        try:
+            ptx = _ptx_text(_compile(kernel, arguments, root / name))
+        except Exception as error:  # report every variant, then fail
+            failures.append(f"{name}: compile failed: {error}")
+            rows.append((name, "FAILED", "-", "-", "-"))
+            continue
+        seconds = time.perf_counter() - start
+        kinds = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+?)\s", ptx)))
+        usage = _ptxas_usage(ptx, root / name)
+        if required_wgmma and not any(kind.endswith(required_wgmma) for kind in kinds):
+            failures.append(f"{name}: no {required_wgmma} wgmma in the PTX (found {kinds})")
+        if usage and required_wgmma and usage["spill_bytes"]:
+            failures.append(f"{name}: ptxas reports {usage['spill_bytes']} spill bytes")
+        if usage and usage["wgmma_serialized"]:
+            failures.append(f"{name}: ptxas serialises the wgmmas (C7514)")
+        rows.append((
+            name,
+            f"{seconds:.1f} s",
+            ", ".join(kinds) or "none (SIMT)",
+            "-" if usage is None else str(usage["registers"]),
+            "-" if usage is None else str(usage["spill_bytes"]),
+        ))
+    print("\n| kernel | compile | wgmma kinds in PTX | registers | spill bytes |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    if shutil.which("ptxas") is None:
+        print("(ptxas not on PATH: register and spill counts not available)")
+    for failure in failures:
+        print(f"FAIL {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
