@@ -41,9 +41,9 @@ def topk_select(
     if out is None:
         out = torch.empty(scores.shape[0], topk, dtype=torch.int32, device=scores.device)
     if backend == "auto" and _kernel_serves(scores, topk) and scores.shape[0] > 0:
-        from .cute_backend import run_topk_select
+        from .ops import topk_select16
 
-        run_topk_select(scores, num_valid_pages, out)
+        topk_select16(scores, num_valid_pages, out)
         return out
     rows, cols = scores.shape
     chunk = max(1, _ROW_CHUNK_ELEMENTS // max(cols, topk))

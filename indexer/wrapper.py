@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from . import backends
+from . import backends, ops
 from .contract import (
     BACKENDS,
     DEFAULT_TOPK,
@@ -77,7 +77,7 @@ class BatchPrefillIndexerQ8KV8Wrapper:
         self._host_metadata: Optional[HostMetadata] = None
         self._scores: Optional[torch.Tensor] = None
         self._topk_out: Optional[torch.Tensor] = None
-        self._score_runner = None
+        self._kernel_backend = False
         self._validate = False
 
     # ------------------------------------------------------------------ plan
@@ -148,11 +148,6 @@ class BatchPrefillIndexerQ8KV8Wrapper:
             topk=self.topk,
             precision=self.precision,
         )
-        runner = None
-        if choice.name == "cute":
-            from .cute_backend import PageScoreRunner
-
-            runner = PageScoreRunner(self.num_heads, device)
 
         plan = build_task_plan(cu_seqlens_q, seq_lens, shape)
         if validate:
@@ -162,7 +157,7 @@ class BatchPrefillIndexerQ8KV8Wrapper:
         self._metadata = (cu_seqlens_q, seq_lens, block_table)
         self._host_metadata = None
         self._backend_choice = choice
-        self._score_runner = runner
+        self._kernel_backend = choice.name == "cute"
         self._validate = validate
         self._scores = score_out if score_out is not None else torch.empty(
             total_q * self.num_heads, shape.max_pages, dtype=torch.float32, device=device
@@ -191,13 +186,13 @@ class BatchPrefillIndexerQ8KV8Wrapper:
         _, _, block_table = self._metadata
         if self._kernel_serves(q):
             plan = self._plan
-            self._score_runner(q, k_pages, self._scores, block_table, plan.descriptors, plan.num_tasks)
+            ops.page_scores_sm90(q, k_pages, self._scores, block_table, plan.descriptors, plan.num_tasks, self.num_heads)
         else:
             compute_page_scores(q, k_pages, block_table, self._host(), self._scores, page_size=self.page_size)
         return self._scores
 
     def _kernel_serves(self, q: torch.Tensor) -> bool:
-        if self._score_runner is None:
+        if not self._kernel_backend:
             return False
         reason = backends.kernel_unsupported_reason(
             device=q.device,

@@ -131,3 +131,29 @@ def test_kernel_is_deterministic_and_graph_replay_matches_eager():
     replayed = wrapper.scores.clone()
     assert torch.equal(replayed[written].view(torch.int32), first[written].view(torch.int32))
     assert bool(replayed[~written].isnan().all())
+
+
+@pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
+def test_custom_ops_pass_opcheck_and_run_under_torch_compile():
+    import indexer.ops  # noqa: F401
+
+    case = make_case([(300, 9000), (40, 5000)], num_heads=2, seed=13)
+    device = torch.device("cuda")
+    metadata = [t.to(device) for t in case.metadata()]
+    q, k = case.q.to(device), case.k_cache.to(device)
+    wrapper = BatchPrefillIndexerQ8KV8Wrapper(2, backend="cute", precision="fp8")
+    wrapper.plan(*metadata, **case.plan_kwargs())
+    eager = wrapper.run(q, k).clone()
+    plan = wrapper.task_plan
+    torch.library.opcheck(
+        torch.ops.indexer.page_scores_sm90,
+        (q, k, wrapper.scores, metadata[2], plan.descriptors, plan.num_tasks, 2),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+    out = torch.empty(case.total_q * 2, 16, dtype=torch.int32, device=device)
+    torch.library.opcheck(
+        torch.ops.indexer.topk_select16, (wrapper.scores, wrapper.num_valid_pages, out),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+    compiled = torch.compile(lambda q, k: wrapper.run(q, k).clone())
+    assert torch.equal(compiled(q, k), eager)

@@ -263,3 +263,20 @@ def test_validate_checks_page_ids_and_finiteness(case):
 def test_topk_select_rejects(scores, valid, kwargs, error, match):
     with pytest.raises(error, match=match):
         topk_select(scores, valid, **kwargs)
+
+
+def test_kernels_are_registered_as_custom_ops_with_fake_implementations():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import indexer.ops  # noqa: F401  (registers the ops)
+
+    assert hasattr(torch.ops.indexer, "page_scores_sm90") and hasattr(torch.ops.indexer, "topk_select16")
+    with FakeTensorMode():
+        scores = torch.empty(8, 4)
+        out = torch.empty(8, 16, dtype=torch.int32)
+        assert torch.ops.indexer.topk_select16(scores, torch.ones(8, dtype=torch.int32), out) is None
+        q = torch.empty(4, 2, 128, dtype=torch.float8_e4m3fn)
+        k = torch.empty(3, 128, 128, dtype=torch.float8_e4m3fn)
+        table = torch.zeros(1, 3, dtype=torch.int32)
+        descriptors = torch.zeros(1, 4, dtype=torch.int32)
+        assert torch.ops.indexer.page_scores_sm90(q, k, scores, table, descriptors, torch.zeros(1, dtype=torch.int32), 2) is None
