@@ -166,7 +166,8 @@ def bench_case(case, num_heads, device, seed, baseline: bool):
             base_runs.append(TorchFp8Baseline(lengths, num_heads, q, k, block_table, scores))
     result = dict(case_id=case["case_id"], batch=case["batch_size"], total_q=case["total_q"], max_kv=case["max_final_kv"],
                   weight=case.get("representative_weight") or 0, num_heads=num_heads, slots=slots, tasks=tasks,
-                  backend=wrapper.active_backend, useful_flops=useful_flops(lengths, num_heads))
+                  backend=wrapper.active_backend, tile_rows=wrapper.task_plan.shape.tile_rows,
+                  useful_flops=useful_flops(lengths, num_heads))
     result["scores_ms"], result["scores_cv"] = time_graphs(scores_only)
     result["run_ms"], result["run_cv"] = time_graphs(runs)
     if baseline:
@@ -183,7 +184,13 @@ def main(argv=None):
     parser.add_argument("--limit", type=int, default=0, help="first N cases only")
     parser.add_argument("--output", default=None, help="JSON results path")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tile-rows", type=int, choices=[128, 256], default=None,
+                        help="score-kernel q-tile rows (default: the library's)")
     args = parser.parse_args(argv)
+    if args.tile_rows:
+        from . import cute_backend
+
+        cute_backend.SCORE_TILE_ROWS = args.tile_rows
     if not torch.cuda.is_available():
         sys.exit("indexer.bench needs a CUDA GPU")
     device = torch.device("cuda")

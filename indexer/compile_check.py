@@ -62,10 +62,12 @@ def variants():
     from .kernels.signatures import score_kernel_fake_arguments, topk_kernel_fake_arguments
     from .kernels.topk_select import TopkSelectKernel
 
-    for num_heads in (1, 2, 4):
-        q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments()
-        yield (f"page_scores_sm90_h{num_heads}", PageScoreKernelSm90(num_heads),
-               (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "e4m3.e4m3")
+    for consumer_warpgroups in (2, 4):
+        for num_heads in (1, 2, 4):
+            q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments()
+            yield (f"page_scores_sm90_h{num_heads}_rows{64 * consumer_warpgroups}",
+                   PageScoreKernelSm90(num_heads, consumer_warpgroups=consumer_warpgroups),
+                   (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "e4m3.e4m3")
     yield "topk_select", TopkSelectKernel(), topk_kernel_fake_arguments(), None
 
 

@@ -17,6 +17,10 @@ __all__ = ["dsl_available", "dsl_version", "PageScoreRunner", "run_topk_select"]
 _lock = threading.Lock()
 _compiled: dict = {}
 
+SCORE_TILE_ROWS = 128
+"""Rows per q tile of the score kernel: 128 (2 consumer warpgroups with paired pages) or 256 (4 consumer
+warpgroups). The plan is built for it; chosen by measurement (docs/PERFORMANCE.md)."""
+
 
 def dsl_version() -> str:
     return importlib.metadata.version("nvidia-cutlass-dsl")
@@ -50,10 +54,13 @@ def _stream():
 
 
 class PageScoreRunner:
-    """Runs ``PageScoreKernelSm90`` for one ``num_heads`` on the current device."""
+    """Runs ``PageScoreKernelSm90`` for one ``num_heads`` and q-tile size on the current device."""
 
-    def __init__(self, num_heads: int, device: torch.device):
+    def __init__(self, num_heads: int, device: torch.device, tile_rows: int):
+        if tile_rows not in (128, 256):
+            raise ValueError(f"the score kernel has 128- or 256-row tiles, the plan has {tile_rows}")
         self.num_heads = num_heads
+        self.consumer_warpgroups = tile_rows // 64
         self.device = device
         self.num_ctas = torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -73,8 +80,12 @@ class PageScoreRunner:
     def _compiled(self, arguments, stream):
         from .kernels.score_sm90 import PageScoreKernelSm90
 
-        key = ("page_scores_sm90", self.num_heads, self.num_ctas, dsl_version())
-        return _compile_once(key, lambda: PageScoreKernelSm90(self.num_heads), (*arguments, self.num_ctas, stream))
+        key = ("page_scores_sm90", self.num_heads, self.consumer_warpgroups, self.num_ctas, dsl_version())
+        return _compile_once(
+            key,
+            lambda: PageScoreKernelSm90(self.num_heads, consumer_warpgroups=self.consumer_warpgroups),
+            (*arguments, self.num_ctas, stream),
+        )
 
 
 def run_topk_select(scores: torch.Tensor, num_valid_pages: torch.Tensor, out: torch.Tensor) -> None:

@@ -21,15 +21,16 @@ def page_scores_sm90(
     descriptors: torch.Tensor,
     num_tasks: torch.Tensor,
     num_heads: int,
+    tile_rows: int,
 ) -> None:
-    """Scores of every planned task into ``scores`` (see ``PageScoreKernelSm90``)."""
+    """Scores of every planned task into ``scores`` (see ``PageScoreKernelSm90``); ``tile_rows`` is the plan's."""
     from .cute_backend import PageScoreRunner
 
-    PageScoreRunner(num_heads, q.device)(q, k_pages, scores, block_table, descriptors, num_tasks)
+    PageScoreRunner(num_heads, q.device, tile_rows)(q, k_pages, scores, block_table, descriptors, num_tasks)
 
 
 @page_scores_sm90.register_fake
-def _page_scores_sm90_fake(q, k_pages, scores, block_table, descriptors, num_tasks, num_heads) -> None:
+def _page_scores_sm90_fake(q, k_pages, scores, block_table, descriptors, num_tasks, num_heads, tile_rows) -> None:
     return None
 
 

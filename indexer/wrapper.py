@@ -123,6 +123,19 @@ class BatchPrefillIndexerQ8KV8Wrapper:
             raise ValueError(f"block_table must have stride(1) == 1, got strides {block_table.stride()}")
         check_alignment("block_table", block_table, _METADATA_ALIGNMENT)
 
+        choice = backends.resolve_backend(
+            self.backend,
+            device=device,
+            num_heads=self.num_heads,
+            page_size=self.page_size,
+            topk=self.topk,
+            precision=self.precision,
+        )
+        tile_rows = None
+        if choice.name == "cute":
+            from .cute_backend import SCORE_TILE_ROWS
+
+            tile_rows = SCORE_TILE_ROWS
         num_sms = _num_sms(device)
         shape = plan_shape(
             num_requests=num_requests,
@@ -131,6 +144,7 @@ class BatchPrefillIndexerQ8KV8Wrapper:
             page_size=self.page_size,
             max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k,
+            tile_rows=tile_rows,
             num_sms=num_sms,
         )
         if block_table.shape[1] < shape.max_pages:
@@ -140,15 +154,6 @@ class BatchPrefillIndexerQ8KV8Wrapper:
             )
         if score_out is not None:
             _check_score_out(score_out, rows=total_q * self.num_heads, max_pages=shape.max_pages, device=device)
-        choice = backends.resolve_backend(
-            self.backend,
-            device=device,
-            num_heads=self.num_heads,
-            page_size=self.page_size,
-            topk=self.topk,
-            precision=self.precision,
-        )
-
         plan = build_task_plan(cu_seqlens_q, seq_lens, shape)
         if validate:
             _raise_on_plan_errors(plan)
@@ -186,7 +191,9 @@ class BatchPrefillIndexerQ8KV8Wrapper:
         _, _, block_table = self._metadata
         if self._kernel_serves(q):
             plan = self._plan
-            ops.page_scores_sm90(q, k_pages, self._scores, block_table, plan.descriptors, plan.num_tasks, self.num_heads)
+            ops.page_scores_sm90(
+                q, k_pages, self._scores, block_table, plan.descriptors, plan.num_tasks, self.num_heads, plan.shape.tile_rows
+            )
         else:
             compute_page_scores(q, k_pages, block_table, self._host(), self._scores, page_size=self.page_size)
         return self._scores

@@ -45,12 +45,16 @@ def magnitude_bound(case, num_heads, device):
 
 
 @pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
+@pytest.mark.parametrize("tile_rows", [128, 256])
 @pytest.mark.parametrize("num_heads", [1, 2, 4])
-def test_scores_match_the_exact_reference_within_the_fp8_bound(num_heads):
+def test_scores_match_the_exact_reference_within_the_fp8_bound(num_heads, tile_rows, monkeypatch):
+    from indexer import cute_backend
+
+    monkeypatch.setattr(cute_backend, "SCORE_TILE_ROWS", tile_rows)
     case = make_case([(700, 9000), (64, 20000), (1, 129), (300, 300), (129, 4000)], num_heads=num_heads, seed=num_heads)
     results, _, _ = run_both(case, num_heads, pitch_extra=37)
     (_, exact), (wrapper, kernel) = results["torch"], results["cute"]
-    assert wrapper.active_backend == "cute"
+    assert wrapper.active_backend == "cute" and wrapper.task_plan.shape.tile_rows == tile_rows
     written = ~exact.isnan()
     assert torch.equal(written, ~kernel.isnan()), "the kernel must write exactly the columns p < L"
     bound = magnitude_bound(case, num_heads, exact.device)
@@ -58,7 +62,7 @@ def test_scores_match_the_exact_reference_within_the_fp8_bound(num_heads):
     error = (kernel[:, :cols] - exact[:, :cols]).abs()[written[:, :cols]]
     allowed = (FP8_RELATIVE_BOUND * bound)[written[:, :cols]] + 1e-6
     ratio = (error / bound[written[:, :cols]].clamp(min=1e-6)).max().item()
-    print(f"H={num_heads}: max |err| {error.max().item():.3e}, max err / sum|qk| {ratio:.3e}")
+    print(f"H={num_heads} tile {tile_rows}: max |err| {error.max().item():.3e}, max err / sum|qk| {ratio:.3e}")
     assert bool((error <= allowed).all()), f"max error ratio {ratio}"
 
 
@@ -147,7 +151,7 @@ def test_custom_ops_pass_opcheck_and_run_under_torch_compile():
     plan = wrapper.task_plan
     torch.library.opcheck(
         torch.ops.indexer.page_scores_sm90,
-        (q, k, wrapper.scores, metadata[2], plan.descriptors, plan.num_tasks, 2),
+        (q, k, wrapper.scores, metadata[2], plan.descriptors, plan.num_tasks, 2, plan.shape.tile_rows),
         test_utils=("test_schema", "test_faketensor"),
     )
     out = torch.empty(case.total_q * 2, 16, dtype=torch.int32, device=device)

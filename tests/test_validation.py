@@ -279,4 +279,4 @@ def test_kernels_are_registered_as_custom_ops_with_fake_implementations():
         k = torch.empty(3, 128, 128, dtype=torch.float8_e4m3fn)
         table = torch.zeros(1, 3, dtype=torch.int32)
         descriptors = torch.zeros(1, 4, dtype=torch.int32)
-        assert torch.ops.indexer.page_scores_sm90(q, k, scores, table, descriptors, torch.zeros(1, dtype=torch.int32), 2) is None
+        assert torch.ops.indexer.page_scores_sm90(q, k, scores, table, descriptors, torch.zeros(1, dtype=torch.int32), 2, 128) is None

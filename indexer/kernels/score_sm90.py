@@ -62,31 +62,39 @@ class PageScoreKernelSm90:
 
     page_size = 128
     head_dim = 128
-    tile_rows = 128
-    num_consumer_warpgroups = 2
     threads_per_warpgroup = 128
-    producer_registers = 40
-    consumer_registers = 232
+    rows_per_consumer_warpgroup = 64  # one wgmma M
 
-    def __init__(self, num_heads: int, *, k_stages: int = 8, q_stages: int = 2):
+    def __init__(self, num_heads: int, *, consumer_warpgroups: int = 2, k_stages: int = 8, q_stages: int = 2):
+        """``consumer_warpgroups`` = 2: 128-row tiles, each warpgroup overlaps its own wgmma and
+        reduction with two accumulators (pages in pairs). 4: 256-row tiles (half the K traffic per
+        score), one accumulator per warpgroup, the four warpgroups interleave on the tensor cores."""
         if num_heads not in (1, 2, 4):
             raise ValueError(f"num_heads must be 1, 2 or 4, got {num_heads}")
+        if consumer_warpgroups not in (2, 4):
+            raise ValueError(f"consumer_warpgroups must be 2 or 4, got {consumer_warpgroups}")
         if not 2 <= k_stages <= 12:
             raise ValueError(f"k_stages must lie in [2, 12], got {k_stages}")
         if q_stages not in (1, 2):
             raise ValueError(f"q_stages must be 1 or 2, got {q_stages}")
         self.num_heads = num_heads
+        self.num_consumer_warpgroups = consumer_warpgroups
+        self.paired_pages = consumer_warpgroups == 2
+        self.tile_rows = self.rows_per_consumer_warpgroup * consumer_warpgroups
+        # setmaxnreg budgets: (1 producer + n consumer warpgroups) x 128 threads within 64K registers
+        self.producer_registers, self.consumer_registers = (40, 232) if consumer_warpgroups == 2 else (24, 120)
         self.k_stages = k_stages
         self.q_stages = q_stages
-        self.threads_per_cta = (1 + self.num_consumer_warpgroups) * self.threads_per_warpgroup
-        self.tile_bytes = self.tile_rows * self.head_dim  # one fp8 Q tile or K page
+        self.threads_per_cta = (1 + consumer_warpgroups) * self.threads_per_warpgroup
+        self.q_tile_bytes = self.tile_rows * self.head_dim
+        self.page_bytes = self.page_size * self.head_dim
 
-    def _smem_layout(self, stages: int):
+    def _smem_layout(self, rows: int, stages: int):
         atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, cutlass.Float8E4M3FN, self.head_dim),
             cutlass.Float8E4M3FN,
         )
-        return cute.tile_to_shape(atom, (self.tile_rows, self.head_dim, stages), order=(0, 1, 2))
+        return cute.tile_to_shape(atom, (rows, self.head_dim, stages), order=(0, 1, 2))
 
     @cute.jit
     def __call__(
@@ -109,14 +117,13 @@ class PageScoreKernelSm90:
             (self.num_consumer_warpgroups, 1, 1),
             tiler_mn=(64, self.page_size),
         )
-        sQ_layout = self._smem_layout(self.q_stages)
-        sK_layout = self._smem_layout(self.k_stages)
-        tile = (self.tile_rows, self.head_dim)
+        sQ_layout = self._smem_layout(self.tile_rows, self.q_stages)
+        sK_layout = self._smem_layout(self.page_size, self.k_stages)
         tma_atom_q, mQ_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.slice_(sQ_layout, (None, None, 0)), tile
+            cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.slice_(sQ_layout, (None, None, 0)), (self.tile_rows, self.head_dim)
         )
         tma_atom_k, mK_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mK, cute.slice_(sK_layout, (None, None, 0)), tile
+            cpasync.CopyBulkTensorTileG2SOp(), mK, cute.slice_(sK_layout, (None, None, 0)), (self.page_size, self.head_dim)
         )
 
         @cute.struct
@@ -178,7 +185,7 @@ class PageScoreKernelSm90:
             num_stages=self.q_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
-            tx_count=self.tile_bytes,
+            tx_count=self.q_tile_bytes,
             defer_sync=True,
         )
         k_pipeline = pipeline.PipelineTmaAsync.create(
@@ -186,7 +193,7 @@ class PageScoreKernelSm90:
             num_stages=self.k_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
-            tx_count=self.tile_bytes,
+            tx_count=self.page_bytes,
             defer_sync=True,
         )
         pipeline.pipeline_init_arrive()
@@ -210,8 +217,7 @@ class PageScoreKernelSm90:
              q_pipeline, k_pipeline, cta_idx, num_ctas, num_tasks):
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.k_stages)
-        tile = (self.tile_rows, self.head_dim)
-        gK = cute.local_tile(mK, tile, (None, None, None))  # (128, 128, 1, 1, num_pages)
+        gK = cute.local_tile(mK, (self.page_size, self.head_dim), (None, None, None))  # (128, 128, 1, 1, pages)
         tKsK, tKgK = cpasync.tma_partition(
             tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
         )
@@ -220,11 +226,13 @@ class PageScoreKernelSm90:
             request = mDescriptors[task, _DESCRIPTOR_REQUEST]
             packed = mDescriptors[task, _DESCRIPTOR_PACKED]
             page_begin = packed & 0xFFFF
-            # An odd chunk is padded with the next page: it exists (at most the local page of the
-            # tile's last token) and the consumers never store it, since it is not before any row's L.
-            page_count = (((packed >> 16) & 0x7F) + 2) // 2 * 2
+            page_count = ((packed >> 16) & 0x7F) + 1
+            if cutlass.const_expr(self.paired_pages):
+                # An odd chunk is padded with the next page: it exists (at most the local page of the
+                # tile's last token) and the consumers never store it, since it is not before any row's L.
+                page_count = (page_count + 1) // 2 * 2
 
-            gQ = cute.local_tile(cute.domain_offset((row_begin, 0), mQ), tile, (0, 0))
+            gQ = cute.local_tile(cute.domain_offset((row_begin, 0), mQ), (self.tile_rows, self.head_dim), (0, 0))
             tQsQ, tQgQ = cpasync.tma_partition(
                 tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
             )
@@ -267,7 +275,7 @@ class PageScoreKernelSm90:
             position_begin = mDescriptors[task, _DESCRIPTOR_POSITION_BEGIN]
             packed = mDescriptors[task, _DESCRIPTOR_PACKED]
             page_begin = packed & 0xFFFF
-            page_pairs = (((packed >> 16) & 0x7F) + 2) // 2
+            page_count = ((packed >> 16) & 0x7F) + 1
             rows = RowTargets(
                 consumer_tidx,
                 row_begin,
@@ -279,22 +287,31 @@ class PageScoreKernelSm90:
             )
 
             q_pipeline.consumer_wait(q_state)
-            # Pages go in pairs: both pages' wgmmas are issued, then the first page is reduced while
-            # the second one's run. No wgmma stays in flight across the loop's back edge (ptxas would
-            # serialise them), and the other consumer warpgroup fills the tensor cores meanwhile.
-            # States are reassigned, never advanced in place, so the DSL carries them through loops.
-            for pair in cutlass.range(page_pairs, unroll=1):
-                page = page_begin + 2 * pair
-                acc_even = cute.make_rmem_tensor(tScS.shape, cutlass.Float32)
-                acc_odd = cute.make_rmem_tensor(tScS.shape, cutlass.Float32)
-                k_read_state = self._issue_page(tiled_mma, acc_even, tSrQ, tSrK, q_state, k_pipeline, k_read_state)
-                k_read_state = self._issue_page(tiled_mma, acc_odd, tSrQ, tSrK, q_state, k_pipeline, k_read_state)
-                warpgroup.wait_group(1)
-                k_release_state = self._release_page(k_pipeline, k_release_state)
-                self._store_page(acc_even, rows, mScores, page)
-                warpgroup.wait_group(0)
-                k_release_state = self._release_page(k_pipeline, k_release_state)
-                self._store_page(acc_odd, rows, mScores, page + 1)
+            if cutlass.const_expr(self.paired_pages):
+                # Pages go in pairs: both pages' wgmmas are issued, then the first page is reduced while
+                # the second one's run. No wgmma stays in flight across the loop's back edge (ptxas would
+                # serialise them), and the other consumer warpgroup fills the tensor cores meanwhile.
+                # States are reassigned, never advanced in place, so the DSL carries them through loops.
+                for pair in cutlass.range((page_count + 1) // 2, unroll=1):
+                    page = page_begin + 2 * pair
+                    acc_even = cute.make_rmem_tensor(tScS.shape, cutlass.Float32)
+                    acc_odd = cute.make_rmem_tensor(tScS.shape, cutlass.Float32)
+                    k_read_state = self._issue_page(tiled_mma, acc_even, tSrQ, tSrK, q_state, k_pipeline, k_read_state)
+                    k_read_state = self._issue_page(tiled_mma, acc_odd, tSrQ, tSrK, q_state, k_pipeline, k_read_state)
+                    warpgroup.wait_group(1)
+                    k_release_state = self._release_page(k_pipeline, k_release_state)
+                    self._store_page(acc_even, rows, mScores, page)
+                    warpgroup.wait_group(0)
+                    k_release_state = self._release_page(k_pipeline, k_release_state)
+                    self._store_page(acc_odd, rows, mScores, page + 1)
+            else:
+                # One accumulator per warpgroup: while one warpgroup reduces, the others' wgmmas run.
+                for page_offset in cutlass.range(page_count, unroll=1):
+                    acc = cute.make_rmem_tensor(tScS.shape, cutlass.Float32)
+                    k_read_state = self._issue_page(tiled_mma, acc, tSrQ, tSrK, q_state, k_pipeline, k_read_state)
+                    warpgroup.wait_group(0)
+                    k_release_state = self._release_page(k_pipeline, k_release_state)
+                    self._store_page(acc, rows, mScores, page_begin + page_offset)
             q_pipeline.consumer_release(q_state)
             q_state.advance()
 
