@@ -57,6 +57,21 @@ def _ptxas_usage(ptx: str, work_dir: pathlib.Path):
     )
 
 
+def _register_budget_error(kernel, ptx: str, usage):
+    """setmaxnreg can only redistribute the CTA's launch allocation; asking for more deadlocks."""
+    decrease = re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32 (\d+)", ptx)
+    increase = re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32 (\d+)", ptx)
+    if not (decrease and increase and usage and usage["registers"]):
+        return None
+    threads = kernel.threads_per_cta
+    producer_threads = kernel.threads_per_warpgroup
+    needed = int(decrease[0]) * producer_threads + int(increase[0]) * (threads - producer_threads)
+    available = usage["registers"] * threads
+    if needed > available:
+        return f"setmaxnreg asks for {needed} registers, the launch allocates {available} ({usage['registers']} x {threads})"
+    return None
+
+
 def variants():
     from .kernels.score_sm90 import PageScoreKernelSm90
     from .kernels.signatures import score_kernel_fake_arguments, topk_kernel_fake_arguments
@@ -98,6 +113,9 @@ def main(argv=None) -> int:
             failures.append(f"{name}: ptxas reports {usage['spill_bytes']} spill bytes")
         if usage and usage["wgmma_serialized"]:
             failures.append(f"{name}: ptxas serialises the wgmmas (C7514)")
+        budget_error = _register_budget_error(kernel, ptx, usage)
+        if budget_error:
+            failures.append(f"{name}: {budget_error}")
         rows.append((
             name,
             f"{seconds:.1f} s",

@@ -81,8 +81,9 @@ class PageScoreKernelSm90:
         self.num_consumer_warpgroups = consumer_warpgroups
         self.paired_pages = consumer_warpgroups == 2
         self.tile_rows = self.rows_per_consumer_warpgroup * consumer_warpgroups
-        # setmaxnreg budgets: (1 producer + n consumer warpgroups) x 128 threads within 64K registers
-        self.producer_registers, self.consumer_registers = (40, 232) if consumer_warpgroups == 2 else (24, 120)
+        # setmaxnreg only moves registers within the CTA's launch allocation (ptxas's count x threads:
+        # 168 x 384 and 96 x 640); asking for more than the producer frees blocks forever.
+        self.producer_registers, self.consumer_registers = (40, 232) if consumer_warpgroups == 2 else (24, 112)
         self.k_stages = k_stages
         self.q_stages = q_stages
         self.threads_per_cta = (1 + consumer_warpgroups) * self.threads_per_warpgroup
