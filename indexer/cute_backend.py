@@ -17,7 +17,7 @@ __all__ = ["dsl_available", "dsl_version", "PageScoreRunner", "run_topk_select"]
 _lock = threading.Lock()
 _compiled: dict = {}
 
-SCORE_TILE_ROWS = 128
+SCORE_TILE_ROWS = 256
 """Rows per q tile of the score kernel: 128 (2 consumer warpgroups with paired pages) or 256 (4 consumer
 warpgroups). The plan is built for it; chosen by measurement (docs/PERFORMANCE.md)."""
 
