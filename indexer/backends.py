@@ -40,12 +40,10 @@ def kernel_unsupported_reason(
     head_dim: Optional[int] = None,
 ) -> Optional[str]:
     """Why the GPU kernel cannot serve this configuration, or None when it can."""
-    if precision == "exact":
-        return "precision='exact' is served by the exact torch backend until the exact kernel variant lands"
-    if not cute_kernel_available():
-        return "the CuTe DSL (nvidia-cutlass-dsl) does not import"
     if device.type != "cuda":
         return f"the kernel needs a CUDA device, the metadata is on {device}"
+    if precision == "exact":
+        return "precision='exact' is served by the exact torch backend until the exact kernel variant lands"
     if torch.cuda.get_device_capability(device) != (9, 0):
         return f"the kernel needs an SM90 GPU, {torch.cuda.get_device_name(device)} is SM{''.join(map(str, torch.cuda.get_device_capability(device)))}"
     if num_heads not in KERNEL_NUM_HEADS:
@@ -58,6 +56,8 @@ def kernel_unsupported_reason(
         return f"the kernel needs {FP8_DTYPE} inputs, got {dtype}"
     if head_dim is not None and head_dim != HEAD_DIM:
         return f"the kernel needs head dim {HEAD_DIM}, got {head_dim}"
+    if not cute_kernel_available():
+        return "the CuTe DSL (nvidia-cutlass-dsl) does not import"
     return None
 
 
