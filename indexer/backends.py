@@ -42,8 +42,6 @@ def kernel_unsupported_reason(
     """Why the GPU kernel cannot serve this configuration, or None when it can."""
     if device.type != "cuda":
         return f"the kernel needs a CUDA device, the metadata is on {device}"
-    if precision == "exact":
-        return "precision='exact' is served by the exact torch backend until the exact kernel variant lands"
     if torch.cuda.get_device_capability(device) != (9, 0):
         return f"the kernel needs an SM90 GPU, {torch.cuda.get_device_name(device)} is SM{''.join(map(str, torch.cuda.get_device_capability(device)))}"
     if num_heads not in KERNEL_NUM_HEADS:

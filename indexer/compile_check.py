@@ -1,9 +1,10 @@
 """Compile every CuTe DSL kernel of the indexer for sm_90a without a GPU: ``python -m indexer.compile_check``.
 
-For each variant (score kernel for H = 1, 2, 4; the top-k select) it prints the wgmma instruction
+For each variant (FP8 score kernel at 128- and 256-row tiles and the exact bf16 one, each for
+H = 1, 2, 4; the top-k select) it prints the wgmma instruction
 kinds found in the PTX and, when ``ptxas`` is on PATH, the registers and spill bytes it reports.
-Exits non-zero if a kernel fails to compile, an FP8 score variant lacks ``e4m3.e4m3`` wgmmas, or
-ptxas reports spills in a score kernel.
+Exits non-zero if a kernel fails to compile, a score variant lacks its wgmma kind, ptxas reports
+spills or serialised wgmmas in a score kernel, or a setmaxnreg budget exceeds the launch allocation.
 """
 
 from __future__ import annotations
@@ -83,6 +84,11 @@ def variants():
             yield (f"page_scores_sm90_h{num_heads}_rows{64 * consumer_warpgroups}",
                    PageScoreKernelSm90(num_heads, consumer_warpgroups=consumer_warpgroups),
                    (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "e4m3.e4m3")
+    for num_heads in (1, 2, 4):
+        q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments(exact=True)
+        yield (f"page_scores_sm90_h{num_heads}_exact",
+               PageScoreKernelSm90(num_heads, consumer_warpgroups=2, exact=True),
+               (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "bf16.bf16")
     yield "topk_select", TopkSelectKernel(), topk_kernel_fake_arguments(), None
 
 

@@ -56,18 +56,25 @@ def _stream():
 class PageScoreRunner:
     """Runs ``PageScoreKernelSm90`` for one ``num_heads`` and q-tile size on the current device."""
 
-    def __init__(self, num_heads: int, device: torch.device, tile_rows: int):
-        if tile_rows not in (128, 256):
-            raise ValueError(f"the score kernel has 128- or 256-row tiles, the plan has {tile_rows}")
+    def __init__(self, num_heads: int, device: torch.device, tile_rows: int, exact: bool = False):
+        if tile_rows not in (128, 256) or (exact and tile_rows != 128):
+            raise ValueError(f"the score kernel has 128- or 256-row tiles (128 when exact), the plan has {tile_rows}")
         self.num_heads = num_heads
+        self.exact = exact
         self.consumer_warpgroups = tile_rows // 64
         self.device = device
         self.num_ctas = torch.cuda.get_device_properties(device).multi_processor_count
 
     def __call__(self, q, k_pages, scores, block_table, descriptors, num_tasks) -> None:
+        fp8 = not self.exact
+        if self.exact:
+            # e4m3 is a subset of bf16: the upcast is exact. It converts the whole cache, not just the
+            # pages the batch reads (the exact mode is the precision reference, not the fast path).
+            q = q.to(torch.bfloat16)
+            k_pages = k_pages.to(torch.bfloat16)
         arguments = (
-            _as_cute(q.view(q.shape[0] * q.shape[1], q.shape[2]), leading_dim=1, align=16, fp8=True),
-            _as_cute(k_pages.permute(1, 2, 0), leading_dim=1, align=16, fp8=True),
+            _as_cute(q.view(q.shape[0] * q.shape[1], q.shape[2]), leading_dim=1, align=16, fp8=fp8),
+            _as_cute(k_pages.permute(1, 2, 0), leading_dim=1, align=16, fp8=fp8),
             _as_cute(scores, leading_dim=1, align=4),
             _as_cute(block_table, leading_dim=1, align=4),
             _as_cute(descriptors, leading_dim=1, align=16),
@@ -80,10 +87,10 @@ class PageScoreRunner:
     def _compiled(self, arguments, stream):
         from .kernels.score_sm90 import PageScoreKernelSm90
 
-        key = ("page_scores_sm90", self.num_heads, self.consumer_warpgroups, self.num_ctas, dsl_version())
+        key = ("page_scores_sm90", self.num_heads, self.consumer_warpgroups, self.exact, self.num_ctas, dsl_version())
         return _compile_once(
             key,
-            lambda: PageScoreKernelSm90(self.num_heads, consumer_warpgroups=self.consumer_warpgroups),
+            lambda: PageScoreKernelSm90(self.num_heads, consumer_warpgroups=self.consumer_warpgroups, exact=self.exact),
             (*arguments, self.num_ctas, stream),
         )
 

@@ -22,15 +22,17 @@ def page_scores_sm90(
     num_tasks: torch.Tensor,
     num_heads: int,
     tile_rows: int,
+    exact: bool,
 ) -> None:
-    """Scores of every planned task into ``scores`` (see ``PageScoreKernelSm90``); ``tile_rows`` is the plan's."""
+    """Scores of every planned task into ``scores`` (see ``PageScoreKernelSm90``); ``tile_rows`` is the
+    plan's, ``exact`` selects the bf16 variant."""
     from .cute_backend import PageScoreRunner
 
-    PageScoreRunner(num_heads, q.device, tile_rows)(q, k_pages, scores, block_table, descriptors, num_tasks)
+    PageScoreRunner(num_heads, q.device, tile_rows, exact)(q, k_pages, scores, block_table, descriptors, num_tasks)
 
 
 @page_scores_sm90.register_fake
-def _page_scores_sm90_fake(q, k_pages, scores, block_table, descriptors, num_tasks, num_heads, tile_rows) -> None:
+def _page_scores_sm90_fake(q, k_pages, scores, block_table, descriptors, num_tasks, num_heads, tile_rows, exact) -> None:
     return None
 
 

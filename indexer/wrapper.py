@@ -63,8 +63,6 @@ class BatchPrefillIndexerQ8KV8Wrapper:
                 raise ValueError(
                     f"backend='cute' needs page_size={PAGE_SIZE} and topk={DEFAULT_TOPK}, got {page_size} and {topk}"
                 )
-            if precision == "exact":
-                raise ValueError("precision='exact' is not built for backend='cute' yet; use precision='fp8' or backend='torch'")
             if not backends.cute_kernel_available():
                 raise RuntimeError("backend='cute' needs the CuTe DSL (pip install nvidia-cutlass-dsl); use 'auto' or 'torch'")
         self.num_heads = num_heads
@@ -135,7 +133,7 @@ class BatchPrefillIndexerQ8KV8Wrapper:
         if choice.name == "cute":
             from .cute_backend import SCORE_TILE_ROWS
 
-            tile_rows = SCORE_TILE_ROWS
+            tile_rows = 128 if self.precision == "exact" else SCORE_TILE_ROWS
         num_sms = _num_sms(device)
         shape = plan_shape(
             num_requests=num_requests,
@@ -192,7 +190,15 @@ class BatchPrefillIndexerQ8KV8Wrapper:
         if self._kernel_serves(q):
             plan = self._plan
             ops.page_scores_sm90(
-                q, k_pages, self._scores, block_table, plan.descriptors, plan.num_tasks, self.num_heads, plan.shape.tile_rows
+                q,
+                k_pages,
+                self._scores,
+                block_table,
+                plan.descriptors,
+                plan.num_tasks,
+                self.num_heads,
+                plan.shape.tile_rows,
+                self.precision == "exact",
             )
         else:
             compute_page_scores(q, k_pages, block_table, self._host(), self._scores, page_size=self.page_size)

@@ -152,7 +152,7 @@ def test_custom_ops_pass_opcheck_and_run_under_torch_compile():
     # test_schema compares inputs with arithmetic torch lacks for e4m3 on CUDA; the fake test covers the op
     torch.library.opcheck(
         torch.ops.indexer.page_scores_sm90,
-        (q, k, wrapper.scores, metadata[2], plan.descriptors, plan.num_tasks, 2, plan.shape.tile_rows),
+        (q, k, wrapper.scores, metadata[2], plan.descriptors, plan.num_tasks, 2, plan.shape.tile_rows, False),
         test_utils=("test_faketensor",),
     )
     out = torch.empty(case.total_q * 2, 16, dtype=torch.int32, device=device)
@@ -162,3 +162,31 @@ def test_custom_ops_pass_opcheck_and_run_under_torch_compile():
     )
     compiled = torch.compile(lambda q, k: wrapper.run(q, k).clone())
     assert torch.equal(compiled(q, k), eager)
+
+
+@pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
+@pytest.mark.parametrize("num_heads", [1, 2, 4])
+def test_exact_precision_matches_the_reference(num_heads):
+    case = make_case([(900, 20000), (64, 9000), (1, 129), (129, 4000)], num_heads=num_heads, seed=20 + num_heads)
+    device = torch.device("cuda")
+    metadata = [t.to(device) for t in case.metadata()]
+    q, k = case.q.to(device), case.k_cache.to(device)
+    rows, cols = case.total_q * num_heads, case.block_table.shape[1]
+    buffers, selections = {}, {}
+    for backend, precision in (("torch", "auto"), ("cute", "exact")):
+        base = torch.full((rows, cols + 5), float("nan"), device=device)
+        wrapper = BatchPrefillIndexerQ8KV8Wrapper(num_heads, backend=backend, precision=precision)
+        wrapper.plan(*metadata, **case.plan_kwargs(), score_out=base[:, :cols], validate=True)
+        selections[backend] = wrapper.run(q, k).clone().view(rows, 16)
+        buffers[backend] = base
+    exact, kernel = buffers["torch"], buffers["cute"]
+    written = ~exact.isnan()
+    assert torch.equal(written, ~kernel.isnan())
+    torch.testing.assert_close(kernel[written], exact[written], atol=2e-4, rtol=2e-4)
+    bitwise = (kernel[written].view(torch.int32) == exact[written].view(torch.int32)).float().mean().item()
+    differing = ~(selections["cute"] == selections["torch"]).all(dim=1)
+    valid = wrapper.num_valid_pages
+    gate = selection_gate(selections["cute"], exact[:, :cols], valid)
+    print(f"exact H={num_heads}: bitwise-equal scores {bitwise:.6f}, rows with another selection {int(differing.sum())} "
+          f"of {rows}, all pass the gate: {bool(gate.all())}")
+    assert bool(gate.all())

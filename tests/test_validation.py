@@ -43,7 +43,6 @@ def misaligned(tensor: torch.Tensor, offset_bytes: int) -> torch.Tensor:
         (dict(topk=0), ValueError, "topk"),
         (dict(num_heads=3, backend="cute"), ValueError, "num_heads"),
         (dict(backend="cute", page_size=64), ValueError, "page_size"),
-        (dict(backend="cute", precision="exact"), ValueError, "precision='exact'"),
     ],
 )
 def test_constructor_rejects(kwargs, error, match):
@@ -279,4 +278,4 @@ def test_kernels_are_registered_as_custom_ops_with_fake_implementations():
         k = torch.empty(3, 128, 128, dtype=torch.float8_e4m3fn)
         table = torch.zeros(1, 3, dtype=torch.int32)
         descriptors = torch.zeros(1, 4, dtype=torch.int32)
-        assert torch.ops.indexer.page_scores_sm90(q, k, scores, table, descriptors, torch.zeros(1, dtype=torch.int32), 2, 128) is None
+        assert torch.ops.indexer.page_scores_sm90(q, k, scores, table, descriptors, torch.zeros(1, dtype=torch.int32), 2, 128, False) is None

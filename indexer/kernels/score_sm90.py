@@ -65,14 +65,34 @@ class PageScoreKernelSm90:
     threads_per_warpgroup = 128
     rows_per_consumer_warpgroup = 64  # one wgmma M
 
-    def __init__(self, num_heads: int, *, consumer_warpgroups: int = 2, k_stages: int = 8, q_stages: int = 2):
+    def __init__(
+        self,
+        num_heads: int,
+        *,
+        consumer_warpgroups: int = 2,
+        exact: bool = False,
+        k_stages: int = None,
+        q_stages: int = 2,
+    ):
         """``consumer_warpgroups`` = 2: 128-row tiles, each warpgroup overlaps its own wgmma and
         reduction with two accumulators (pages in pairs). 4: 256-row tiles (half the K traffic per
-        score), one accumulator per warpgroup, the four warpgroups interleave on the tensor cores."""
+        score), one accumulator per warpgroup, the four warpgroups interleave on the tensor cores.
+
+        ``exact``: operands are the bf16 upcasts of the e4m3 values (exact: e4m3 is a subset of bf16)
+        and the wgmma is ``bf16.bf16`` (k16), whose fp32 accumulation reproduces the reference
+        (measured on the H200); twice the smem per tile, so 128-row tiles and 4 K stages.
+        """
         if num_heads not in (1, 2, 4):
             raise ValueError(f"num_heads must be 1, 2 or 4, got {num_heads}")
         if consumer_warpgroups not in (2, 4):
             raise ValueError(f"consumer_warpgroups must be 2 or 4, got {consumer_warpgroups}")
+        if exact and consumer_warpgroups != 2:
+            raise ValueError("the exact (bf16) variant has 128-row tiles: consumer_warpgroups must be 2")
+        self.exact = exact
+        self.operand_dtype = cutlass.BFloat16 if exact else cutlass.Float8E4M3FN
+        operand_bytes = 2 if exact else 1
+        if k_stages is None:
+            k_stages = 4 if exact else 8
         if not 2 <= k_stages <= 12:
             raise ValueError(f"k_stages must lie in [2, 12], got {k_stages}")
         if q_stages not in (1, 2):
@@ -87,21 +107,21 @@ class PageScoreKernelSm90:
         self.k_stages = k_stages
         self.q_stages = q_stages
         self.threads_per_cta = (1 + consumer_warpgroups) * self.threads_per_warpgroup
-        self.q_tile_bytes = self.tile_rows * self.head_dim
-        self.page_bytes = self.page_size * self.head_dim
+        self.q_tile_bytes = self.tile_rows * self.head_dim * operand_bytes
+        self.page_bytes = self.page_size * self.head_dim * operand_bytes
 
     def _smem_layout(self, rows: int, stages: int):
         atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, cutlass.Float8E4M3FN, self.head_dim),
-            cutlass.Float8E4M3FN,
+            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.operand_dtype, self.head_dim),
+            self.operand_dtype,
         )
         return cute.tile_to_shape(atom, (rows, self.head_dim, stages), order=(0, 1, 2))
 
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor,  # (total_q * H, 128) e4m3, K-major
-        mK: cute.Tensor,  # (128 tokens, 128 dims, num_pages) e4m3, page stride free
+        mQ: cute.Tensor,  # (total_q * H, 128) e4m3 (bf16 for exact), K-major
+        mK: cute.Tensor,  # (128 tokens, 128 dims, num_pages) like mQ, page stride free
         mScores: cute.Tensor,  # (total_q * H, pitch) fp32, unit column stride
         mBlockTable: cute.Tensor,  # (B, >= max_pages) int32
         mDescriptors: cute.Tensor,  # (task_capacity, 4) int32
@@ -110,8 +130,8 @@ class PageScoreKernelSm90:
         stream,
     ):
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            cutlass.Float8E4M3FN,
-            cutlass.Float8E4M3FN,
+            self.operand_dtype,
+            self.operand_dtype,
             warpgroup.OperandMajorMode.K,
             warpgroup.OperandMajorMode.K,
             cutlass.Float32,
@@ -131,8 +151,8 @@ class PageScoreKernelSm90:
         class SharedStorage:
             q_barriers: cute.struct.MemRange[cutlass.Int64, self.q_stages * 2]
             k_barriers: cute.struct.MemRange[cutlass.Int64, self.k_stages * 2]
-            sQ: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN, cute.cosize(sK_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.operand_dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.operand_dtype, cute.cosize(sK_layout)], 1024]
 
         self.shared_storage = SharedStorage
         self.kernel(
