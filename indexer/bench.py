@@ -146,7 +146,7 @@ def time_graphs(callables, warmup=5, samples=20):
     return statistics.median(times), statistics.pstdev(times) / statistics.mean(times)
 
 
-def bench_case(case, num_heads, device, seed, baseline: bool):
+def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "auto"):
     lengths = sequence_lengths(case)
     unique_bytes = sum((kv - 1) // PAGE_SIZE * PAGE_SIZE * HEAD_DIM for _, kv in lengths) + case["total_q"] * 17 * 4
     slots = min(8, 2 * L2_BYTES // max(1, unique_bytes) + 2)
@@ -156,7 +156,7 @@ def bench_case(case, num_heads, device, seed, baseline: bool):
     tasks = None
     for _ in range(slots):
         q, k, cu, seq_lens, block_table = make_inputs(lengths, num_heads, device, generator)
-        wrapper = BatchPrefillIndexerQ8KV8Wrapper(num_heads)
+        wrapper = BatchPrefillIndexerQ8KV8Wrapper(num_heads, precision=precision)
         wrapper.plan(cu, seq_lens, block_table, **bounds)
         tasks = int(wrapper.task_plan.num_tasks[0])
         runs.append(lambda w=wrapper, q=q, k=k: w.run(q, k))
@@ -166,7 +166,7 @@ def bench_case(case, num_heads, device, seed, baseline: bool):
             base_runs.append(TorchFp8Baseline(lengths, num_heads, q, k, block_table, scores))
     result = dict(case_id=case["case_id"], batch=case["batch_size"], total_q=case["total_q"], max_kv=case["max_final_kv"],
                   weight=case.get("representative_weight") or 0, num_heads=num_heads, slots=slots, tasks=tasks,
-                  backend=wrapper.active_backend, tile_rows=wrapper.task_plan.shape.tile_rows,
+                  backend=wrapper.active_backend, precision=precision, tile_rows=wrapper.task_plan.shape.tile_rows,
                   useful_flops=useful_flops(lengths, num_heads))
     result["scores_ms"], result["scores_cv"] = time_graphs(scores_only)
     result["run_ms"], result["run_cv"] = time_graphs(runs)
@@ -184,6 +184,7 @@ def main(argv=None):
     parser.add_argument("--limit", type=int, default=0, help="first N cases only")
     parser.add_argument("--output", default=None, help="JSON results path")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--precision", choices=["auto", "fp8", "exact"], default="auto")
     parser.add_argument("--tile-rows", type=int, choices=[128, 256], default=None,
                         help="score-kernel q-tile rows (default: the library's)")
     args = parser.parse_args(argv)
@@ -200,7 +201,8 @@ def main(argv=None):
     results = []
     for num_heads in (int(h) for h in args.heads.split(",")):
         for index, case in enumerate(cases):
-            result = bench_case(case, num_heads, device, args.seed + index, baseline=not args.no_baseline)
+            result = bench_case(case, num_heads, device, args.seed + index, baseline=not args.no_baseline,
+                                precision=args.precision)
             results.append(result)
             print(json.dumps(result), flush=True)
     if args.output:
