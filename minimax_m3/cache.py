@@ -1,0 +1,87 @@
+"""The MiniMax-M3 cache: K/V per layer and the paged index-K of each sparse layer, addressed by position.
+
+Every sequence of the batch keeps its own tokens at slots equal to their positions (0, 1, 2, ...), whatever
+padding the inputs carry, so pages of ``index_block_size`` tokens stay anchored at absolute positions as the
+indexer contract requires. Capacity grows geometrically in whole pages. The index-K of a sparse layer is viewed
+as ``[batch * pages, page_size, index_head_dim]`` physical pages with the block table ``b * pages + p``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["MiniMaxM3Cache"]
+
+
+class MiniMaxM3Cache:
+    """Positional K/V and paged index-K for every layer of one batch."""
+
+    def __init__(self, config, batch_size: int):
+        self.config = config
+        self.batch_size = batch_size
+        self.page_size = config.index_block_size
+        self.lengths = [0] * batch_size  # tokens cached per sequence
+        self.columns_seen = 0  # input columns consumed so far, padding included (generate() slices by it)
+        self.capacity = 0
+        self.keys: list = [None] * config.num_hidden_layers
+        self.values: list = [None] * config.num_hidden_layers
+        self.index_keys: list = [None] * config.num_hidden_layers
+
+    # ------------------------------------------------------------- HF-facing
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.lengths) if self.lengths else 0
+
+    def __len__(self) -> int:
+        return self.config.num_hidden_layers
+
+    # ------------------------------------------------------------- storage
+    def reserve(self, new_lengths: list) -> None:
+        """Make room for ``new_lengths`` tokens per sequence (host ints)."""
+        needed = max(length + extra for length, extra in zip(self.lengths, new_lengths))
+        if needed <= self.capacity:
+            return
+        pages = -(-needed // self.page_size)
+        capacity = max(pages * self.page_size, 2 * self.capacity)
+        capacity = -(-capacity // self.page_size) * self.page_size
+        for store in (self.keys, self.values, self.index_keys):
+            for layer, tensor in enumerate(store):
+                if tensor is not None:
+                    grown = tensor.new_zeros(tensor.shape[0], capacity, *tensor.shape[2:])
+                    grown[:, : tensor.shape[1]] = tensor
+                    store[layer] = grown
+        self.capacity = capacity
+
+    def write(self, store_name: str, layer: int, values: torch.Tensor, batch_index: torch.Tensor, positions: torch.Tensor):
+        """Write packed per-token ``values`` ``[T, ...]`` of ``layer`` at (sequence, position)."""
+        store = getattr(self, store_name)
+        if store[layer] is None or store[layer].dtype != values.dtype or store[layer].device != values.device:
+            store[layer] = values.new_zeros(self.batch_size, self.capacity, *values.shape[1:])
+        store[layer][batch_index, positions] = values
+        return store[layer]
+
+    def advance(self, new_lengths: list, columns: int) -> None:
+        """After every layer has written the new tokens (``columns`` input positions, padding included)."""
+        self.lengths = [length + extra for length, extra in zip(self.lengths, new_lengths)]
+        self.columns_seen += columns
+
+    def index_pages(self, layer: int) -> torch.Tensor:
+        """The sparse layer's index-K as physical pages ``[batch * pages, page_size, index_head_dim]``."""
+        keys = self.index_keys[layer]
+        return keys.view(self.batch_size * (self.capacity // self.page_size), self.page_size, keys.shape[-1])
+
+    def block_table(self, device: torch.device) -> torch.Tensor:
+        pages = self.capacity // self.page_size
+        return torch.arange(self.batch_size * pages, dtype=torch.int32, device=device).view(self.batch_size, pages)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for store in (self.keys, self.values, self.index_keys):
+            for layer, tensor in enumerate(store):
+                if tensor is not None:
+                    store[layer] = tensor.index_select(0, beam_idx.to(tensor.device))
+        self.lengths = [self.lengths[i] for i in beam_idx.tolist()]
+
+    def layer_device(self, layer: int) -> Optional[torch.device]:
+        tensor = self.keys[layer]
+        return None if tensor is None else tensor.device

@@ -1,0 +1,256 @@
+"""MiniMax-M3 text-model configuration (model type ``minimax_m3``).
+
+Accepts both spellings found in the wild and keeps the one it was given when saving:
+
+* the hub checkpoint's: a nested ``sparse_attention_config`` (``sparse_num_index_heads``, ``sparse_index_dim``,
+  ``sparse_block_size``, ``sparse_topk_blocks``, ``sparse_local_block``, ``sparse_init_block``,
+  ``sparse_attention_freq``, ...) with ``moe_layer_freq``, ``rotary_dim`` / ``partial_rotary_factor`` and
+  ``rope_theta``;
+* transformers' flat one: ``index_n_heads``, ``index_head_dim``, ``index_block_size``, ``index_topk_blocks``,
+  ``index_local_blocks``, ``layer_types``, ``mlp_layer_types`` and ``rope_parameters``.
+
+Loading the official composite config (``model_type: minimax_m3_vl`` with a ``text_config``) yields the text config.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from transformers import PreTrainedConfig
+
+__all__ = ["MiniMaxM3Config", "FULL_ATTENTION", "SPARSE_ATTENTION", "DENSE_MLP", "MOE_MLP"]
+
+logger = logging.getLogger(__name__)
+
+FULL_ATTENTION = "full_attention"
+SPARSE_ATTENTION = "minimax_m3_sparse"
+DENSE_MLP = "dense"
+MOE_MLP = "sparse"
+
+_NESTED_TO_FLAT = {
+    "sparse_num_index_heads": "index_n_heads",
+    "sparse_index_dim": "index_head_dim",
+    "sparse_block_size": "index_block_size",
+    "sparse_topk_blocks": "index_topk_blocks",
+    "sparse_local_block": "index_local_blocks",
+}
+_FLAT_ONLY_KEYS = ("index_n_heads", "index_head_dim", "index_block_size", "index_topk_blocks", "index_local_blocks",
+                   "layer_types", "mlp_layer_types", "rope_parameters")
+_NESTED_ONLY_KEYS = ("sparse_attention_config", "moe_layer_freq")
+_INDEX_DTYPES = ("float8_e4m3fn", "bfloat16", "float32")
+_ATTENTION_MODES = ("sparse", "dense")
+_COMPOSITE_TYPES = ("minimax_m3_vl",)
+
+
+class MiniMaxM3Config(PreTrainedConfig):
+    r"""Configuration of the MiniMax-M3 text model; defaults are the released model's.
+
+    Beyond the checkpoint's fields:
+        index_dtype (`str`, defaults to `"float8_e4m3fn"`): dtype of the index path (index q and the paged index-K
+            cache): `"float8_e4m3fn"` (saturating cast, no scale, as served), `"bfloat16"` (ablation) or `"float32"`
+            (exact parity tests).
+        attention_mode (`str`, defaults to `"sparse"`): `"sparse"` runs MiniMax Sparse Attention on the sparse layers;
+            `"dense"` runs every layer with full causal attention (the baseline for evaluation).
+        sparse_attention_implementation (`str`, defaults to `"auto"`): the sparse attention function by name (see
+            `minimax_m3.sparse_attention.SPARSE_ATTENTION_FUNCTIONS`).
+        indexer_backend (`str`, defaults to `"auto"`): `backend` of the indexer wrapper.
+    """
+
+    model_type = "minimax_m3"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    attribute_map = {"num_experts": "num_local_experts"}
+
+    def __init__(
+        self,
+        vocab_size: int = 200064,
+        hidden_size: int = 6144,
+        num_hidden_layers: int = 60,
+        num_attention_heads: int = 64,
+        num_key_value_heads: int = 4,
+        head_dim: int = 128,
+        intermediate_size: int = 3072,
+        dense_intermediate_size: int = 12288,
+        shared_intermediate_size: int = 3072,
+        num_local_experts: int = 128,
+        num_experts_per_tok: int = 4,
+        n_shared_experts: int = 1,
+        routed_scaling_factor: float = 2.0,
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float = 7.0,
+        swiglu_beta: float = 1.0,
+        hidden_act: str = "swigluoai",
+        rms_norm_eps: float = 1e-6,
+        max_position_embeddings: int = 524288,
+        rope_theta: Optional[float] = None,
+        rotary_dim: Optional[int] = None,
+        partial_rotary_factor: Optional[float] = None,
+        tie_word_embeddings: bool = False,
+        initializer_range: float = 0.02,
+        use_cache: bool = True,
+        attention_dropout: float = 0.0,
+        sparse_attention_config: Optional[dict] = None,
+        moe_layer_freq: Optional[list] = None,
+        index_n_heads: Optional[int] = None,
+        index_head_dim: Optional[int] = None,
+        index_block_size: Optional[int] = None,
+        index_topk_blocks: Optional[int] = None,
+        index_local_blocks: Optional[int] = None,
+        layer_types: Optional[list] = None,
+        mlp_layer_types: Optional[list] = None,
+        rope_parameters: Optional[dict] = None,
+        index_dtype: str = "float8_e4m3fn",
+        attention_mode: str = "sparse",
+        sparse_attention_implementation: str = "auto",
+        indexer_backend: str = "auto",
+        pad_token_id: Optional[int] = None,
+        bos_token_id: Optional[int] = 200034,
+        eos_token_id: Optional[int] = 200020,
+        **kwargs: Any,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim
+        self.intermediate_size = intermediate_size
+        self.dense_intermediate_size = dense_intermediate_size
+        self.shared_intermediate_size = shared_intermediate_size
+        self.num_local_experts = num_local_experts
+        self.num_experts_per_tok = num_experts_per_tok
+        self.n_shared_experts = n_shared_experts
+        self.routed_scaling_factor = routed_scaling_factor
+        self.swiglu_alpha = swiglu_alpha
+        self.swiglu_limit = swiglu_limit
+        self.swiglu_beta = swiglu_beta
+        self.hidden_act = hidden_act
+        self.rms_norm_eps = rms_norm_eps
+        self.max_position_embeddings = max_position_embeddings
+        self.initializer_range = initializer_range
+        self.use_cache = use_cache
+        self.attention_dropout = attention_dropout
+        self.index_dtype = index_dtype
+        self.attention_mode = attention_mode
+        self.sparse_attention_implementation = sparse_attention_implementation
+        self.indexer_backend = indexer_backend
+
+        self.spelling = "nested" if sparse_attention_config is not None else "flat"
+        sparse = dict(sparse_attention_config or {})
+        self.sparse_attention_config = sparse_attention_config
+        self.moe_layer_freq = moe_layer_freq
+
+        def pick(flat_value, nested_key, default):
+            if flat_value is not None:
+                return flat_value
+            return sparse.get(nested_key, default)
+
+        self.index_n_heads = pick(index_n_heads, "sparse_num_index_heads", num_key_value_heads)
+        self.index_head_dim = pick(index_head_dim, "sparse_index_dim", head_dim)
+        self.index_block_size = pick(index_block_size, "sparse_block_size", 128)
+        self.index_topk_blocks = pick(index_topk_blocks, "sparse_topk_blocks", 16)
+        self.index_local_blocks = pick(index_local_blocks, "sparse_local_block", 1)
+        self.index_init_blocks = sparse.get("sparse_init_block", 0)
+
+        if layer_types is None:
+            frequency = sparse.get("sparse_attention_freq")
+            if frequency is None:
+                frequency = [0] * min(3, num_hidden_layers) + [1] * max(0, num_hidden_layers - 3)
+            layer_types = [SPARSE_ATTENTION if f else FULL_ATTENTION for f in frequency]
+        self.layer_types = list(layer_types)
+        if mlp_layer_types is None:
+            frequency = moe_layer_freq
+            if frequency is None:
+                frequency = [0] * min(3, num_hidden_layers) + [1] * max(0, num_hidden_layers - 3)
+            mlp_layer_types = [MOE_MLP if f else DENSE_MLP for f in frequency]
+        self.mlp_layer_types = list(mlp_layer_types)
+
+        rope = dict(rope_parameters or {})
+        self.rope_parameters = rope_parameters
+        self.rope_theta = float(rope_theta if rope_theta is not None else rope.get("rope_theta", 5_000_000.0))
+        if partial_rotary_factor is None:
+            partial_rotary_factor = rope.get("partial_rotary_factor")
+        if rotary_dim is None and partial_rotary_factor is not None:
+            rotary_dim = int(round(head_dim * partial_rotary_factor))
+        if rotary_dim is None:
+            rotary_dim = head_dim // 2
+        self.rotary_dim = rotary_dim
+        self.partial_rotary_factor = partial_rotary_factor if partial_rotary_factor is not None else rotary_dim / head_dim
+
+        self.validate_minimax_m3()  # before transformers' own validators, whose messages are less specific
+        super().__init__(
+            pad_token_id=pad_token_id,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            tie_word_embeddings=tie_word_embeddings,
+            **kwargs,
+        )
+
+    def validate_minimax_m3(self) -> None:
+        """Clear errors for configurations the model cannot run."""
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_key_value_heads})"
+            )
+        if self.index_n_heads != self.num_key_value_heads:
+            raise ValueError(
+                f"index_n_heads (sparse_num_index_heads) must equal num_key_value_heads: index head r selects the "
+                f"pages of KV head r; got {self.index_n_heads} and {self.num_key_value_heads}"
+            )
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ValueError(f"rotary_dim must be even and in (0, head_dim={self.head_dim}], got {self.rotary_dim}")
+        if self.index_head_dim < self.rotary_dim or self.index_head_dim % 2:
+            raise ValueError(
+                f"index_head_dim must be even and >= rotary_dim ({self.rotary_dim}): the index path uses the same "
+                f"partial RoPE; got {self.index_head_dim}"
+            )
+        for name in ("layer_types", "mlp_layer_types"):
+            values = getattr(self, name)
+            if len(values) != self.num_hidden_layers:
+                raise ValueError(f"{name} must have num_hidden_layers = {self.num_hidden_layers} entries, got {len(values)}")
+        if set(self.layer_types) - {FULL_ATTENTION, SPARSE_ATTENTION}:
+            raise ValueError(f"layer_types entries must be {FULL_ATTENTION!r} or {SPARSE_ATTENTION!r}, got {self.layer_types}")
+        if set(self.mlp_layer_types) - {DENSE_MLP, MOE_MLP}:
+            raise ValueError(f"mlp_layer_types entries must be {DENSE_MLP!r} or {MOE_MLP!r}, got {self.mlp_layer_types}")
+        if self.index_local_blocks != 1:
+            raise ValueError(f"index_local_blocks (sparse_local_block) must be 1 (the forced local page), got {self.index_local_blocks}")
+        if self.index_init_blocks:
+            raise ValueError(f"sparse_init_block must be 0 (no forced initial pages in MiniMax-M3), got {self.index_init_blocks}")
+        if self.index_topk_blocks < 1 or self.index_block_size < 1:
+            raise ValueError("index_topk_blocks and index_block_size must be positive")
+        if self.index_dtype not in _INDEX_DTYPES:
+            raise ValueError(f"index_dtype must be one of {_INDEX_DTYPES}, got {self.index_dtype!r}")
+        if self.attention_mode not in _ATTENTION_MODES:
+            raise ValueError(f"attention_mode must be one of {_ATTENTION_MODES}, got {self.attention_mode!r}")
+        if self.num_experts_per_tok > self.num_local_experts:
+            raise ValueError("num_experts_per_tok must not exceed num_local_experts")
+
+    def to_dict(self) -> dict:
+        """Serialise with the spelling the config was created with (a re-saved hub config stays loadable by vLLM)."""
+        output = super().to_dict()
+        output.pop("spelling", None)
+        output.pop("index_init_blocks", None)
+        dropped = _FLAT_ONLY_KEYS if self.spelling == "nested" else _NESTED_ONLY_KEYS
+        for key in dropped:
+            output.pop(key, None)
+        if self.spelling == "nested" and self.rope_parameters is None:
+            output.pop("rope_parameters", None)
+        return output
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """Also accepts the official composite config (``minimax_m3_vl`` with a ``text_config``)."""
+        if config_dict.get("model_type") in _COMPOSITE_TYPES or "text_config" in config_dict:
+            text = dict(config_dict.get("text_config") or {})
+            text.pop("model_type", None)
+            for key in ("tie_word_embeddings", "dtype", "torch_dtype"):
+                if key in config_dict and key not in text:
+                    text[key] = config_dict[key]
+            if "quantization_config" in config_dict and "quantization_config" not in text:
+                text["quantization_config"] = config_dict["quantization_config"]
+            config_dict = text
+        else:
+            config_dict = dict(config_dict)
+            config_dict.pop("model_type", None)
+        return super().from_dict(config_dict, **kwargs)

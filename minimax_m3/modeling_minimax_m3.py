@@ -1,0 +1,428 @@
+"""MiniMax-M3 text model: full attention + dense MLP on the first layers, MiniMax Sparse Attention + MoE after.
+
+Module and parameter names are the official checkpoint's (``model.layers.i.self_attn.index_q_proj``,
+``block_sparse_moe.experts.e.w1``, ...). Tokens are processed packed: the real (non-padding) new tokens of every
+sequence back to back, each with its absolute position, which is the layout of the indexer's contract.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import ModelOutput
+from transformers.utils import generic as transformers_generic
+
+from .cache import MiniMaxM3Cache
+from .configuration_minimax_m3 import DENSE_MLP, SPARSE_ATTENTION, MiniMaxM3Config
+from .sparse_attention import (
+    ForwardMetadata,
+    PageSelector,
+    dense_attention,
+    get_sparse_attention_function,
+    to_index_dtype,
+)
+
+__all__ = ["MiniMaxM3PreTrainedModel", "MiniMaxM3Model", "MiniMaxM3ForCausalLM"]
+
+
+class MiniMaxM3RMSNorm(nn.Module):
+    """Gemma-style RMSNorm ``x_hat * (1 + w)`` in fp32; the weight stores the offset ``w`` (zeros at init)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX rotate-half RoPE on the first ``2 * cos.shape[-1]`` dims of ``x [T, H, D]``; the rest untouched."""
+    half = cos.shape[-1]
+    rotated, passed = x[..., : 2 * half].float(), x[..., 2 * half :]
+    first, second = rotated[..., :half], rotated[..., half:]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    out = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1).to(x.dtype)
+    return torch.cat([out, passed], dim=-1)
+
+
+class MiniMaxM3RotaryEmbedding(nn.Module):
+    """cos/sin of ``inv_freq = theta^(-2i / rotary_dim)`` for 1-D positions (fp32)."""
+
+    def __init__(self, config: MiniMaxM3Config):
+        super().__init__()
+        inv_freq = config.rope_theta ** (-torch.arange(0, config.rotary_dim, 2, dtype=torch.float64) / config.rotary_dim)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor):
+        angles = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        return angles.cos(), angles.sin()
+
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float, beta: float) -> torch.Tensor:
+    """SwiGLU-OAI: ``g = min(gate, limit); u = clamp(up, -limit, limit); g * sigmoid(alpha g) * (u + beta)``."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(-limit, limit)
+    return gate * torch.sigmoid(alpha * gate) * (up + beta)
+
+
+class MiniMaxM3MLP(nn.Module):
+    """Dense MLP (first layers) and the shared expert: ``down(swiglu_oai(gate(x), up(x)))``."""
+
+    def __init__(self, config: MiniMaxM3Config, width: int):
+        super().__init__()
+        self.config = config
+        self.gate_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        c = self.config
+        return self.down_proj(swiglu_oai(self.gate_proj(x), self.up_proj(x), c.swiglu_alpha, c.swiglu_limit, c.swiglu_beta))
+
+
+class MiniMaxM3Expert(nn.Module):
+    """One routed expert with the checkpoint's names: ``w1`` gate, ``w3`` up, ``w2`` down."""
+
+    def __init__(self, config: MiniMaxM3Config):
+        super().__init__()
+        self.config = config
+        self.w1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.w3 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        c = self.config
+        return self.w2(swiglu_oai(self.w1(x), self.w3(x), c.swiglu_alpha, c.swiglu_limit, c.swiglu_beta))
+
+
+class MiniMaxM3SparseMoeBlock(nn.Module):
+    """Sigmoid router in fp32, top-k by ``p + e_score_correction_bias``, weights = renormalised ``p`` x scaling,
+    plus an always-on shared expert (not scaled)."""
+
+    def __init__(self, config: MiniMaxM3Config):
+        super().__init__()
+        self.config = config
+        self.gate = nn.Linear(config.hidden_size, config.num_local_experts, bias=False, dtype=torch.float32)
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.num_local_experts, dtype=torch.float32))
+        self.experts = nn.ModuleList(MiniMaxM3Expert(config) for _ in range(config.num_local_experts))
+        self.shared_experts = MiniMaxM3MLP(config, config.shared_intermediate_size * config.n_shared_experts)
+
+    def route(self, x: torch.Tensor):
+        """``(expert ids [T, k], weights [T, k] fp32)``; the router stays fp32 whatever the model dtype."""
+        probabilities = torch.sigmoid(x.float() @ self.gate.weight.float().T)
+        chosen = torch.topk(probabilities + self.e_score_correction_bias.float(), self.config.num_experts_per_tok, dim=-1).indices
+        weights = probabilities.gather(-1, chosen)
+        weights = weights / weights.sum(-1, keepdim=True) * self.config.routed_scaling_factor
+        return chosen, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen, weights = self.route(x)
+        routed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for expert_id in torch.unique(chosen).tolist():
+            tokens, slot = torch.nonzero(chosen == expert_id, as_tuple=True)
+            contribution = self.experts[expert_id](x[tokens]).float() * weights[tokens, slot, None]
+            routed.index_add_(0, tokens, contribution)
+        return (routed + self.shared_experts(x).float()).to(x.dtype)
+
+
+class MiniMaxM3Attention(nn.Module):
+    """Full causal GQA attention (first layers) or MiniMax Sparse Attention (the others).
+
+    Sparse layers add the indexer's projections: index q (``index_n_heads`` heads) and one index key head, each
+    with a per-head Gemma RMSNorm and the same partial RoPE as attention; the index keys go to the paged cache,
+    the indexer selects ``index_topk_blocks`` pages per (token, KV group), attention reads only those pages.
+    """
+
+    def __init__(self, config: MiniMaxM3Config, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.is_sparse = config.layer_types[layer_idx] == SPARSE_ATTENTION
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim ** -0.5
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_norm = MiniMaxM3RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = MiniMaxM3RMSNorm(self.head_dim, config.rms_norm_eps)
+        if self.is_sparse:
+            self.index_q_proj = nn.Linear(config.hidden_size, config.index_n_heads * config.index_head_dim, bias=False)
+            self.index_k_proj = nn.Linear(config.hidden_size, config.index_head_dim, bias=False)
+            self.index_q_norm = MiniMaxM3RMSNorm(config.index_head_dim, config.rms_norm_eps)
+            self.index_k_norm = MiniMaxM3RMSNorm(config.index_head_dim, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache: MiniMaxM3Cache, metadata: ForwardMetadata, page_selector: PageSelector):
+        tokens = x.shape[0]
+        q = apply_partial_rope(self.q_norm(self.q_proj(x).view(tokens, self.num_heads, self.head_dim)), cos, sin)
+        k = apply_partial_rope(self.k_norm(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        keys = cache.write("keys", self.layer_idx, k, metadata.batch_index, metadata.positions)
+        values = cache.write("values", self.layer_idx, v, metadata.batch_index, metadata.positions)
+
+        selection = None
+        if self.is_sparse:
+            c = self.config
+            index_q = self.index_q_proj(x).view(tokens, c.index_n_heads, c.index_head_dim)
+            index_q = to_index_dtype(apply_partial_rope(self.index_q_norm(index_q), cos, sin), c.index_dtype)
+            index_k = self.index_k_proj(x).view(tokens, 1, c.index_head_dim)
+            index_k = to_index_dtype(apply_partial_rope(self.index_k_norm(index_k), cos, sin)[:, 0], c.index_dtype)
+            cache.write("index_keys", self.layer_idx, index_k, metadata.batch_index, metadata.positions)
+            if c.attention_mode == "sparse":
+                selection = page_selector.select(
+                    cache.index_pages(self.layer_idx), cache.block_table(x.device), index_q, metadata
+                )
+        if selection is None:
+            attended = dense_attention(q, keys, values, metadata, scale=self.scale)
+        else:
+            attend = get_sparse_attention_function(self.config.sparse_attention_implementation)
+            attended = attend(q, keys, values, selection, metadata, scale=self.scale, page_size=self.config.index_block_size)
+        return self.o_proj(attended.reshape(tokens, self.num_heads * self.head_dim)), selection
+
+
+class MiniMaxM3DecoderLayer(nn.Module):
+    def __init__(self, config: MiniMaxM3Config, layer_idx: int):
+        super().__init__()
+        self.self_attn = MiniMaxM3Attention(config, layer_idx)
+        self.input_layernorm = MiniMaxM3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = MiniMaxM3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.mlp_layer_types[layer_idx] == DENSE_MLP:
+            self.mlp = MiniMaxM3MLP(config, config.dense_intermediate_size)
+        else:
+            self.block_sparse_moe = MiniMaxM3SparseMoeBlock(config)
+
+    def forward(self, x, cos, sin, cache, metadata, page_selector):
+        attended, selection = self.self_attn(self.input_layernorm(x), cos, sin, cache, metadata, page_selector)
+        x = x + attended
+        normed = self.post_attention_layernorm(x)
+        feed_forward = self.mlp if hasattr(self, "mlp") else self.block_sparse_moe
+        return x + feed_forward(normed), selection
+
+
+class MiniMaxM3PreTrainedModel(PreTrainedModel):
+    config_class = MiniMaxM3Config
+    base_model_prefix = "model"
+    _no_split_modules = ["MiniMaxM3DecoderLayer"]
+    _keep_in_fp32_modules = ["gate"]
+    _keys_to_ignore_on_load_unexpected = [r"^mtp\.", r"\.mtp\."]
+    _supports_sdpa = True
+
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, MiniMaxM3RMSNorm):
+            nn.init.zeros_(module.weight)
+        elif isinstance(module, MiniMaxM3SparseMoeBlock):
+            nn.init.zeros_(module.e_score_correction_bias)
+        elif isinstance(module, MiniMaxM3RotaryEmbedding):
+            c = self.config
+            inv_freq = c.rope_theta ** (-torch.arange(0, c.rotary_dim, 2, dtype=torch.float64) / c.rotary_dim)
+            module.inv_freq.copy_(inv_freq.float())
+
+
+# transformers >= 5.2x calls the cache output field `cache` (and renames `past_key_values=` to it); earlier 5.x
+# releases read `past_key_values`. The outputs carry whichever field the installed version's generate() reads.
+CACHE_FIELD = "cache" if hasattr(transformers_generic, "_rename_kwargs_for_bc") else "past_key_values"
+
+
+def _output_class(name: str, fields: dict):
+    namespace = {"__annotations__": {key: Optional[Any] for key in fields}, **{key: None for key in fields}}
+    namespace["__module__"] = __name__
+    namespace["__doc__"] = f"{name}: " + ", ".join(fields)
+    return dataclass(type(name, (ModelOutput,), namespace))
+
+
+MiniMaxM3ModelOutput = _output_class("MiniMaxM3ModelOutput", {"last_hidden_state": None, CACHE_FIELD: None, "page_selections": None})
+MiniMaxM3CausalLMOutput = _output_class(
+    "MiniMaxM3CausalLMOutput", {"loss": None, "logits": None, CACHE_FIELD: None, "page_selections": None}
+)
+
+
+class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
+    def __init__(self, config: MiniMaxM3Config):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(MiniMaxM3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = MiniMaxM3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = MiniMaxM3RotaryEmbedding(config)
+        self.page_selector = PageSelector(config)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        past_key_values: Optional[MiniMaxM3Cache] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        use_cache: Optional[bool] = None,
+        output_page_selections: bool = False,
+        **kwargs,
+    ) -> MiniMaxM3ModelOutput:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch, new_tokens = inputs_embeds.shape[:2]
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        cache = past_key_values if past_key_values is not None else MiniMaxM3Cache(self.config, batch)
+        if cache.batch_size != batch:
+            raise ValueError(f"past_key_values holds {cache.batch_size} sequences, the inputs have {batch}")
+
+        real = self._new_token_mask(attention_mask, batch, new_tokens, inputs_embeds.device)
+        query_lengths = real.sum(1).tolist()
+        cache.reserve(query_lengths)
+        metadata = self._metadata(real, cache.lengths, query_lengths)
+        packed = inputs_embeds[real]  # [T, hidden], sequences back to back
+        cos, sin = self.rotary_emb(metadata.positions)
+
+        selections = []
+        hidden = packed
+        for layer in self.layers:
+            layer_device = next(layer.parameters()).device
+            if hidden.device != layer_device:
+                hidden, metadata, cos, sin = self._to_device(hidden, metadata, cos, sin, layer_device)
+            hidden, selection = layer(hidden, cos, sin, cache, metadata, self.page_selector)
+            if output_page_selections and selection is not None:
+                selections.append(self._unpack(selection, real))
+        hidden = self.norm(hidden)
+        cache.advance(query_lengths, new_tokens)
+        return MiniMaxM3ModelOutput(
+            last_hidden_state=self._unpack(hidden, real),
+            page_selections=tuple(selections) if output_page_selections else None,
+            **{CACHE_FIELD: cache if use_cache else None},
+        )
+
+    @staticmethod
+    def _new_token_mask(attention_mask, batch, new_tokens, device) -> torch.Tensor:
+        """Which of the new positions hold real tokens (padding may sit anywhere; left padding in practice)."""
+        if attention_mask is None:
+            return torch.ones(batch, new_tokens, dtype=torch.bool, device=device)
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] < new_tokens:
+            raise ValueError(
+                f"attention_mask must be [batch, past + new tokens] = [{batch}, >= {new_tokens}], got {tuple(attention_mask.shape)}"
+            )
+        return attention_mask[:, -new_tokens:].to(device=device, dtype=torch.bool)
+
+    @staticmethod
+    def _metadata(real: torch.Tensor, past_lengths: list, query_lengths: list) -> ForwardMetadata:
+        device = real.device
+        batch_index = torch.nonzero(real, as_tuple=True)[0]
+        starts, offset = [], 0
+        for count in query_lengths:
+            starts.append(offset)
+            offset += count
+        past = torch.tensor(past_lengths, device=device, dtype=torch.long)
+        rank = torch.cumsum(real.long(), dim=1) - 1  # rank of each real token among its sequence's new tokens
+        positions = (past[:, None] + rank)[real]
+        return ForwardMetadata(
+            batch_index=batch_index,
+            positions=positions,
+            query_lengths=query_lengths,
+            kv_lengths=[p + q for p, q in zip(past_lengths, query_lengths)],
+            query_starts=starts,
+        )
+
+    @staticmethod
+    def _to_device(hidden, metadata, cos, sin, device):
+        moved = ForwardMetadata(
+            batch_index=metadata.batch_index.to(device),
+            positions=metadata.positions.to(device),
+            query_lengths=metadata.query_lengths,
+            kv_lengths=metadata.kv_lengths,
+            query_starts=metadata.query_starts,
+            planned_devices=metadata.planned_devices,
+        )
+        return hidden.to(device), moved, cos.to(device), sin.to(device)
+
+    @staticmethod
+    def _unpack(packed: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        out = packed.new_zeros(*real.shape, *packed.shape[1:])
+        out[real.to(packed.device)] = packed
+        return out
+
+
+class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: MiniMaxM3Config):
+        super().__init__(config)
+        self.model = MiniMaxM3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the model creates its own MiniMaxM3Cache (positional K/V + paged index-K)
+
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, inputs_embeds=None, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        inputs = {"attention_mask": attention_mask, "use_cache": kwargs.get("use_cache", True)}
+        if isinstance(cache, MiniMaxM3Cache):
+            inputs["past_key_values"] = cache
+            inputs["input_ids"] = input_ids[:, cache.columns_seen :]
+        elif inputs_embeds is not None:
+            inputs["inputs_embeds"] = inputs_embeds
+        else:
+            inputs["input_ids"] = input_ids
+        if "logits_to_keep" in kwargs:
+            inputs["logits_to_keep"] = kwargs["logits_to_keep"]
+        return inputs
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        past_key_values: Optional[MiniMaxM3Cache] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        labels: Optional[torch.LongTensor] = None,
+        use_cache: Optional[bool] = None,
+        logits_to_keep: Union[int, torch.Tensor] = 0,
+        output_page_selections: bool = False,
+        **kwargs,
+    ) -> MiniMaxM3CausalLMOutput:
+        past_key_values = past_key_values if past_key_values is not None else kwargs.pop("cache", None)
+        if past_key_values is not None and not isinstance(past_key_values, MiniMaxM3Cache):
+            # generate() may hand over transformers' empty default cache; this model keeps its own
+            if past_key_values.get_seq_length() != 0:
+                raise ValueError("past_key_values must be a MiniMaxM3Cache (or an empty transformers Cache)")
+            past_key_values = None
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_page_selections=output_page_selections,
+        )
+        hidden = outputs.last_hidden_state
+        # logits only where needed: at a 200K vocabulary every position of a long prompt would cost more than the model
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) and logits_to_keep > 0 else (
+            slice(None) if isinstance(logits_to_keep, int) else logits_to_keep
+        )
+        logits = self.lm_head(hidden[:, keep].to(self.lm_head.weight.device)).float()
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return MiniMaxM3CausalLMOutput(
+            loss=loss, logits=logits, page_selections=outputs.page_selections, **{CACHE_FIELD: outputs[CACHE_FIELD] if CACHE_FIELD in outputs else None}
+        )

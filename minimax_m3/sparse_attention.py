@@ -1,0 +1,161 @@
+"""Page selection (through the indexer) and the attention functions of MiniMax-M3, pluggable by name.
+
+All functions work on packed (varlen) query tokens: ``q`` is ``[T, num_heads, head_dim]`` for the new tokens of
+every sequence back to back, with their sequence (``batch_index``) and absolute ``positions``; keys and values come
+from the positional cache ``[batch, capacity, num_kv_heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional
+
+import torch
+
+from indexer import BatchPrefillIndexerQ8KV8Wrapper
+
+__all__ = [
+    "ForwardMetadata",
+    "PageSelector",
+    "dense_attention",
+    "sparse_attention_reference",
+    "SPARSE_ATTENTION_FUNCTIONS",
+    "get_sparse_attention_function",
+    "to_index_dtype",
+]
+
+_QUERY_CHUNK = 64
+_FP8_MAX = 448.0
+
+
+@dataclass
+class ForwardMetadata:
+    """What every layer of one forward shares: packed token layout and per-sequence lengths (host ints)."""
+
+    batch_index: torch.Tensor  # [T] sequence of each packed token
+    positions: torch.Tensor  # [T] absolute position of each packed token
+    query_lengths: list  # new tokens per sequence
+    kv_lengths: list  # tokens per sequence after this forward (query tokens included)
+    query_starts: list  # packed offset of each sequence's first new token
+    planned_devices: set = field(default_factory=set)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.query_lengths)
+
+
+def to_index_dtype(x: torch.Tensor, index_dtype: str) -> torch.Tensor:
+    """The index path's dtype: e4m3 by a saturating cast (clamp to +-448, no scale), as MiniMax serves it."""
+    if index_dtype == "float8_e4m3fn":
+        return x.float().clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    return x.to(getattr(torch, index_dtype))
+
+
+class PageSelector:
+    """Runs the indexer for the sparse layers: one plan per forward and device, one score buffer per device.
+
+    The score buffer ``[T * H, pitch]`` is owned here and grown geometrically; it is handed to ``plan()`` as
+    ``score_out`` so the indexer never allocates per layer.
+    """
+
+    def __init__(self, config):
+        self.config = config
+        self._wrappers: Dict[torch.device, BatchPrefillIndexerQ8KV8Wrapper] = {}
+        self._score_storage: Dict[torch.device, torch.Tensor] = {}
+
+    def select(self, layer_cache_pages: torch.Tensor, block_table: torch.Tensor, index_q: torch.Tensor,
+               metadata: ForwardMetadata) -> torch.Tensor:
+        """``[T, H, topk]`` int32 logical page ids for the packed index queries ``index_q [T, H, D]``."""
+        device = index_q.device
+        wrapper = self._wrappers.get(device)
+        if wrapper is None:
+            wrapper = BatchPrefillIndexerQ8KV8Wrapper(
+                self.config.index_n_heads,
+                backend=self.config.indexer_backend,
+                page_size=self.config.index_block_size,
+                topk=self.config.index_topk_blocks,
+            )
+            self._wrappers[device] = wrapper
+        if device not in metadata.planned_devices:
+            self._plan(wrapper, block_table, metadata, device)
+            metadata.planned_devices.add(device)
+        return wrapper.run(index_q.contiguous(), layer_cache_pages)
+
+    def _plan(self, wrapper, block_table, metadata: ForwardMetadata, device) -> None:
+        starts = metadata.query_starts + [metadata.total_tokens]
+        max_kv = max(metadata.kv_lengths)
+        pages = -(-max_kv // self.config.index_block_size)
+        rows = metadata.total_tokens * self.config.index_n_heads
+        storage = self._score_storage.get(device)
+        if storage is None or storage.numel() < rows * pages:
+            capacity = max(rows * pages, 2 * (0 if storage is None else storage.numel()))
+            storage = torch.empty(capacity, dtype=torch.float32, device=device)
+            self._score_storage[device] = storage
+        wrapper.plan(
+            torch.tensor(starts, dtype=torch.int32, device=device),
+            torch.tensor(metadata.kv_lengths, dtype=torch.int32, device=device),
+            block_table.to(device),
+            total_q=metadata.total_tokens,
+            max_seqlen_q=max(max(metadata.query_lengths), 1),
+            max_seqlen_k=max_kv,
+            score_out=storage[: rows * pages].view(rows, pages),
+        )
+
+
+def dense_attention(q, keys, values, metadata: ForwardMetadata, *, scale: float) -> torch.Tensor:
+    """Causal GQA attention of each sequence's new tokens over its cached tokens (bottom-right aligned)."""
+    output = torch.empty_like(q)
+    num_heads, num_kv_heads = q.shape[1], keys.shape[2]
+    for sequence, (start, count, kv_length) in enumerate(zip(metadata.query_starts, metadata.query_lengths, metadata.kv_lengths)):
+        if count == 0:
+            continue
+        query = q[start : start + count].transpose(0, 1)  # [H, n, D]
+        key = keys[sequence, :kv_length].transpose(0, 1).repeat_interleave(num_heads // num_kv_heads, dim=0)
+        value = values[sequence, :kv_length].transpose(0, 1).repeat_interleave(num_heads // num_kv_heads, dim=0)
+        query_positions = torch.arange(kv_length - count, kv_length, device=q.device)
+        allowed = torch.arange(kv_length, device=q.device)[None, :] <= query_positions[:, None]
+        attended = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale)
+        output[start : start + count] = attended.transpose(0, 1)
+    return output
+
+
+def sparse_attention_reference(q, keys, values, selection, metadata: ForwardMetadata, *, scale: float,
+                               page_size: int) -> torch.Tensor:
+    """Exact softmax over the keys of each (token, KV group)'s selected pages, token-level causal mask.
+
+    Works on any device; memory is bounded by query chunks (``chunk x topk x page_size`` keys per group).
+    """
+    output = torch.empty_like(q)
+    num_heads, num_kv_heads = q.shape[1], keys.shape[2]
+    group = num_heads // num_kv_heads
+    offsets = torch.arange(page_size, device=q.device)
+    for begin in range(0, q.shape[0], _QUERY_CHUNK):
+        end = min(q.shape[0], begin + _QUERY_CHUNK)
+        sequences = metadata.batch_index[begin:end]
+        positions = metadata.positions[begin:end]
+        pages = selection[begin:end].long()  # [n, G, topk]
+        key_positions = (pages.clamp(min=0)[..., None] * page_size + offsets).flatten(2)  # [n, G, topk * page]
+        allowed = (pages >= 0)[..., None].expand(*pages.shape, page_size).flatten(2) & (key_positions <= positions[:, None, None])
+        key_positions = key_positions.clamp(max=keys.shape[1] - 1)
+        gather_sequence = sequences[:, None, None].expand_as(key_positions)
+        gather_group = torch.arange(num_kv_heads, device=q.device)[None, :, None].expand_as(key_positions)
+        chunk_keys = keys[gather_sequence, key_positions, gather_group].float()  # [n, G, K, D]
+        chunk_values = values[gather_sequence, key_positions, gather_group].float()
+        query = q[begin:end].float().view(end - begin, num_kv_heads, group, -1)  # [n, G, r, D]
+        logits = torch.einsum("ngrd,ngkd->ngrk", query, chunk_keys) * scale
+        logits = logits.masked_fill(~allowed[:, :, None, :], float("-inf"))
+        probabilities = torch.softmax(logits, dim=-1)
+        attended = torch.einsum("ngrk,ngkd->ngrd", probabilities, chunk_values)
+        output[begin:end] = attended.reshape(end - begin, num_heads, -1).to(q.dtype)
+    return output
+
+
+SPARSE_ATTENTION_FUNCTIONS: Dict[str, Callable] = {"reference": sparse_attention_reference}
+
+
+def get_sparse_attention_function(name: str) -> Callable:
+    if name == "auto":
+        name = "reference"
+    if name not in SPARSE_ATTENTION_FUNCTIONS:
+        raise ValueError(f"sparse_attention_implementation must be 'auto' or one of {sorted(SPARSE_ATTENTION_FUNCTIONS)}, got {name!r}")
+    return SPARSE_ATTENTION_FUNCTIONS[name]

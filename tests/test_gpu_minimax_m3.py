@@ -1,0 +1,40 @@
+"""minimax_m3 on a CUDA device (run on the H200)."""
+
+import pytest
+import torch
+
+from test_minimax_m3 import tiny_model
+
+pytestmark = pytest.mark.gpu
+
+
+def test_cuda_logits_match_cpu():
+    model = tiny_model()
+    ids = torch.randint(3, 97, (2, 45))
+    mask = torch.ones_like(ids)
+    mask[0, :6] = 0
+    expected = model(ids, attention_mask=mask, output_page_selections=True)
+    cuda_model = tiny_model().cuda()
+    got = cuda_model(ids.cuda(), attention_mask=mask.cuda(), output_page_selections=True)
+    torch.testing.assert_close(got.logits.cpu(), expected.logits, atol=1e-4, rtol=1e-4)
+    for a, b in zip(got.page_selections, expected.page_selections):
+        assert torch.equal(a.cpu(), b)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)), reason="needs SM90")
+def test_real_index_geometry_runs_the_sm90_kernel():
+    """Index head dim 128, pages of 128, top-16: the sparse layers are served by the CuTe kernels."""
+    model = tiny_model(
+        head_dim=128, rotary_dim=64, index_dtype="float8_e4m3fn",
+        sparse_attention_config={"sparse_attention_freq": [0, 1, 1], "sparse_num_index_heads": 2, "sparse_index_dim": 128,
+                                 "sparse_block_size": 128, "sparse_topk_blocks": 16, "sparse_init_block": 0,
+                                 "sparse_local_block": 1},
+    ).cuda()
+    ids = torch.randint(3, 97, (1, 2600), device="cuda")
+    out = model(ids, output_page_selections=True, logits_to_keep=1)
+    assert torch.isfinite(out.logits).all()
+    wrapper = next(iter(model.model.page_selector._wrappers.values()))
+    assert wrapper.active_backend == "cute"
+    selection = out.page_selections[0][0]  # [T, G, 16]
+    positions = torch.arange(2600, device="cuda")
+    assert torch.equal(selection[:, :, -1] if False else selection.max(dim=2).values, (positions // 128)[:, None].expand(-1, 2).int())

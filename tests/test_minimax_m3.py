@@ -1,0 +1,287 @@
+"""The minimax_m3 model on CPU: config spellings, layer math, sparse vs dense, cache, padding, generate, save/load."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import minimax_m3  # noqa: F401  (registers the Auto classes)
+from minimax_m3 import MiniMaxM3Config, MiniMaxM3ForCausalLM
+from minimax_m3.modeling_minimax_m3 import (
+    CACHE_FIELD,
+    MiniMaxM3RMSNorm,
+    MiniMaxM3SparseMoeBlock,
+    apply_partial_rope,
+    swiglu_oai,
+)
+
+SPARSE_CONFIG = {
+    "use_sparse_attention": True,
+    "sparse_attention_freq": [0, 1, 1],
+    "sparse_num_index_heads": 2,
+    "sparse_index_dim": 32,
+    "sparse_block_size": 8,
+    "sparse_topk_blocks": 3,
+    "sparse_init_block": 0,
+    "sparse_local_block": 1,
+    "sparse_score_type": "max",
+}
+
+
+def tiny_config(**overrides) -> MiniMaxM3Config:
+    values = dict(
+        vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        intermediate_size=48, dense_intermediate_size=96, shared_intermediate_size=48, num_local_experts=4,
+        num_experts_per_tok=2, rotary_dim=16, partial_rotary_factor=0.5, rope_theta=5e6,
+        sparse_attention_config=dict(SPARSE_CONFIG), moe_layer_freq=[0, 1, 1], bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, index_dtype="float32",
+    )
+    values.update(overrides)
+    return MiniMaxM3Config(**values)
+
+
+def tiny_model(seed=0, **overrides) -> MiniMaxM3ForCausalLM:
+    torch.manual_seed(seed)
+    model = MiniMaxM3ForCausalLM(tiny_config(**overrides)).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(std=0.1)
+    return model
+
+
+# ------------------------------------------------------------------ config
+def test_nested_and_flat_spellings_agree_and_are_kept_when_saving(tmp_path):
+    nested = tiny_config()
+    flat = MiniMaxM3Config(
+        **{k: v for k, v in nested.to_dict().items() if k not in ("sparse_attention_config", "moe_layer_freq")},
+        index_n_heads=2, index_head_dim=32, index_block_size=8, index_topk_blocks=3, index_local_blocks=1,
+        layer_types=["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"], mlp_layer_types=["dense", "sparse", "sparse"],
+    )
+    for name in ("index_n_heads", "index_head_dim", "index_block_size", "index_topk_blocks", "layer_types", "mlp_layer_types", "rotary_dim"):
+        assert getattr(nested, name) == getattr(flat, name), name
+    nested.save_pretrained(tmp_path / "nested")
+    saved = json.loads((tmp_path / "nested" / "config.json").read_text())
+    assert "sparse_attention_config" in saved and "layer_types" not in saved and "index_n_heads" not in saved
+    flat.save_pretrained(tmp_path / "flat")
+    saved = json.loads((tmp_path / "flat" / "config.json").read_text())
+    assert "layer_types" in saved and "sparse_attention_config" not in saved
+    assert AutoConfig.from_pretrained(tmp_path / "nested").layer_types == nested.layer_types
+
+
+def test_rope_parameters_spelling_sets_the_partial_rotary_dim():
+    config = tiny_config(rotary_dim=None, partial_rotary_factor=None, rope_theta=None,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25})
+    assert config.rotary_dim == 8 and config.rope_theta == 1e4
+
+
+def test_official_composite_config_yields_the_text_config(tmp_path):
+    text = tiny_config().to_dict()
+    text["model_type"] = "minimax_m3"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "minimax_m3_vl", "text_config": text, "image_token_index": 5}))
+    config = MiniMaxM3Config.from_pretrained(tmp_path)
+    assert config.model_type == "minimax_m3" and config.num_hidden_layers == 3 and config.index_topk_blocks == 3
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(sparse_attention_config={**SPARSE_CONFIG, "sparse_num_index_heads": 4}), "index_n_heads"),
+        (dict(num_attention_heads=3), "multiple of num_key_value_heads"),
+        (dict(rotary_dim=7), "rotary_dim"),
+        (dict(moe_layer_freq=[0, 1]), "mlp_layer_types must have"),
+        (dict(sparse_attention_config={**SPARSE_CONFIG, "sparse_init_block": 1}), "sparse_init_block"),
+        (dict(sparse_attention_config={**SPARSE_CONFIG, "sparse_local_block": 2}), "index_local_blocks"),
+        (dict(index_dtype="int8"), "index_dtype"),
+        (dict(attention_mode="linear"), "attention_mode"),
+    ],
+)
+def test_bad_configs_raise_clear_errors(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_config(**overrides)
+
+
+# ------------------------------------------------------------------ layer math
+def test_gemma_rmsnorm():
+    norm = MiniMaxM3RMSNorm(8, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(-0.5, 0.5, 8))
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    x32 = x.float()
+    expected = (x32 / torch.sqrt((x32 * x32).mean(-1, keepdim=True) + 1e-6) * (1 + norm.weight)).to(torch.bfloat16)
+    assert torch.equal(norm(x), expected)
+
+
+def test_partial_neox_rope_rotates_only_the_first_dims():
+    x = torch.randn(5, 2, 32)
+    positions = torch.arange(5).float()
+    inv_freq = 5e6 ** (-torch.arange(0, 16, 2).double() / 16)
+    angles = positions[:, None].double() * inv_freq[None]
+    out = apply_partial_rope(x, angles.cos().float(), angles.sin().float())
+    assert torch.equal(out[..., 16:], x[..., 16:])
+    for i in range(8):  # pairs (i, i + 8) inside the rotated 16 dims
+        c, s = angles.cos()[:, None, i].float(), angles.sin()[:, None, i].float()
+        torch.testing.assert_close(out[..., i], x[..., i] * c - x[..., i + 8] * s)
+        torch.testing.assert_close(out[..., i + 8], x[..., i + 8] * c + x[..., i] * s)
+
+
+def test_swiglu_oai():
+    gate = torch.tensor([-9.0, -1.0, 0.5, 8.0])
+    up = torch.tensor([-8.0, 0.0, 2.0, 9.0])
+    g = torch.tensor([-9.0, -1.0, 0.5, 7.0])
+    u = torch.tensor([-7.0, 0.0, 2.0, 7.0])
+    torch.testing.assert_close(swiglu_oai(gate, up, 1.702, 7.0, 1.0), g * torch.sigmoid(1.702 * g) * (u + 1))
+
+
+def test_router_selects_with_bias_and_weights_without_it():
+    config = tiny_config()
+    block = MiniMaxM3SparseMoeBlock(config)
+    with torch.no_grad():
+        block.gate.weight.normal_()
+        block.e_score_correction_bias.copy_(torch.tensor([0.0, 5.0, 0.0, 0.0]))  # forces expert 1 in
+    x = torch.randn(6, config.hidden_size)
+    chosen, weights = block.route(x)
+    p = torch.sigmoid(x @ block.gate.weight.T)
+    assert bool((chosen == 1).any(dim=1).all())
+    expected = p.gather(1, chosen) / p.gather(1, chosen).sum(1, keepdim=True) * 2.0
+    torch.testing.assert_close(weights, expected)
+    assert block.gate.weight.dtype == torch.float32 and block.e_score_correction_bias.dtype == torch.float32
+
+
+# ------------------------------------------------------------------ attention modes, cache, padding
+def test_sparse_equals_dense_while_every_position_has_at_most_topk_pages():
+    sparse, dense = tiny_model(), tiny_model(attention_mode="dense")
+    dense.load_state_dict(sparse.state_dict())
+    ids = torch.randint(3, 97, (2, 24))  # 3 pages of 8 = topk
+    torch.testing.assert_close(sparse(ids).logits, dense(ids).logits, atol=1e-5, rtol=0)
+    longer = torch.randint(3, 97, (2, 48))
+    assert (sparse(longer).logits - dense(longer).logits).abs().max() > 1e-3  # selection really drops pages
+
+
+def test_sparse_attention_equals_masked_dense_attention_over_the_selected_pages():
+    """An independent formulation: full attention with an additive mask built from the selected pages."""
+    from minimax_m3.sparse_attention import ForwardMetadata, sparse_attention_reference
+
+    torch.manual_seed(3)
+    tokens, heads, kv_heads, dim, page = 40, 4, 2, 16, 8
+    q = torch.randn(tokens, heads, dim)
+    keys = torch.randn(1, tokens, kv_heads, dim)
+    values = torch.randn(1, tokens, kv_heads, dim)
+    positions = torch.arange(tokens)
+    selection = torch.full((tokens, kv_heads, 3), -1, dtype=torch.int32)
+    for t in range(tokens):
+        for g in range(kv_heads):
+            local = t // page
+            history = torch.randperm(local)[:2] if local else torch.tensor([], dtype=torch.long)
+            chosen = sorted(set(history.tolist())) + [local]
+            selection[t, g, : len(chosen)] = torch.tensor(chosen)
+    metadata = ForwardMetadata(torch.zeros(tokens, dtype=torch.long), positions, [tokens], [tokens], [0])
+    got = sparse_attention_reference(q, keys, values, selection, metadata, scale=dim ** -0.5, page_size=page)
+    for t in range(tokens):
+        for h in range(heads):
+            g = h // (heads // kv_heads)
+            allowed = torch.zeros(tokens, dtype=torch.bool)
+            for p in selection[t, g].tolist():
+                if p >= 0:
+                    allowed[p * page : (p + 1) * page] = True
+            allowed &= torch.arange(tokens) <= t
+            logits = (keys[0, :, g] @ q[t, h]) * dim ** -0.5
+            weights = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=0)
+            torch.testing.assert_close(got[t, h], weights @ values[0, :, g])
+
+
+@pytest.mark.parametrize("index_dtype", ["float32", "bfloat16", "float8_e4m3fn"])
+def test_chunked_prefill_and_decode_equal_one_full_forward(index_dtype):
+    model = tiny_model(index_dtype=index_dtype)
+    ids = torch.randint(3, 97, (2, 44))
+    full = model(ids).logits
+    output = model(ids[:, :29], use_cache=True)
+    cache = output[CACHE_FIELD]
+    pieces = [output.logits]
+    pieces.append(model(ids[:, 29:37], past_key_values=cache).logits)  # a chunk over a cached prefix
+    for t in range(37, 44):
+        pieces.append(model(ids[:, t : t + 1], past_key_values=cache).logits)  # decode
+    torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=0)
+
+
+def test_left_padding_is_anchored_per_sequence():
+    model = tiny_model()
+    ids = torch.randint(3, 97, (2, 41))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    padded = model(ids, attention_mask=mask, output_page_selections=True)
+    alone = model(ids[1:, 9:], output_page_selections=True)
+    torch.testing.assert_close(padded.logits[1, 9:], alone.logits[0], atol=1e-5, rtol=0)
+    for batched, single in zip(padded.page_selections, alone.page_selections):
+        assert torch.equal(batched[1, 9:], single[0])
+
+
+def test_page_selections_are_observable_and_follow_the_contract():
+    model = tiny_model()
+    ids = torch.randint(3, 97, (1, 50))
+    selections = model(ids, output_page_selections=True).page_selections
+    assert len(selections) == 2  # the two sparse layers
+    for selection in selections:
+        assert selection.shape == (1, 50, 2, 3)
+        for t in range(50):
+            local = t // 8
+            for g in range(2):
+                row = selection[0, t, g].tolist()
+                valid = [p for p in row if p >= 0]
+                assert valid[-1] == local and len(set(valid)) == len(valid) and all(p <= local for p in valid)
+                assert len(valid) == min(3, local + 1)
+
+
+def test_generate_matches_greedy_recomputation_with_and_without_padding():
+    model = tiny_model()
+    ids = torch.randint(3, 97, (2, 30))
+    generated = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    sequence = ids.clone()
+    for _ in range(6):
+        sequence = torch.cat([sequence, model(sequence).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(generated, sequence)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    padded = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    alone = model.generate(ids[1:, 5:], max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(padded[1, 5:], alone[0])
+
+
+def test_logits_to_keep():
+    model = tiny_model()
+    ids = torch.randint(3, 97, (1, 20))
+    full = model(ids).logits
+    last = model(ids, logits_to_keep=1).logits
+    assert last.shape == (1, 1, 97)
+    torch.testing.assert_close(last[:, 0], full[:, -1])
+
+
+# ------------------------------------------------------------------ weights
+def test_parameter_names_are_the_checkpoint_names():
+    names = set(tiny_model().state_dict())
+    for expected in (
+        "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+        "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_norm.weight",
+        "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.down_proj.weight",
+        "model.layers.1.self_attn.index_q_proj.weight", "model.layers.1.self_attn.index_k_proj.weight",
+        "model.layers.1.self_attn.index_q_norm.weight", "model.layers.1.self_attn.index_k_norm.weight",
+        "model.layers.1.block_sparse_moe.gate.weight", "model.layers.1.block_sparse_moe.e_score_correction_bias",
+        "model.layers.1.block_sparse_moe.experts.3.w1.weight", "model.layers.1.block_sparse_moe.experts.3.w2.weight",
+        "model.layers.1.block_sparse_moe.experts.3.w3.weight",
+        "model.layers.1.block_sparse_moe.shared_experts.gate_proj.weight",
+    ):
+        assert expected in names, expected
+    assert not any("index_" in n for n in names if n.startswith("model.layers.0."))
+
+
+def test_save_and_load_round_trip_through_auto_classes(tmp_path):
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert isinstance(loaded, MiniMaxM3ForCausalLM)
+    ids = torch.randint(3, 97, (1, 40))
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=0, rtol=0)
+    bf16 = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    moe = bf16.model.layers[1].block_sparse_moe
+    assert bf16.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert moe.gate.weight.dtype == torch.float32 and moe.e_score_correction_bias.dtype == torch.float32
