@@ -8,10 +8,11 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .cache import MiniMaxM3Cache
 from .configuration_minimax_m3 import MiniMaxM3Config
+from .loading import load_model
 from .modeling_minimax_m3 import MiniMaxM3ForCausalLM, MiniMaxM3Model, MiniMaxM3PreTrainedModel
 
 AutoConfig.register(MiniMaxM3Config.model_type, MiniMaxM3Config, exist_ok=True)
 AutoModel.register(MiniMaxM3Config, MiniMaxM3Model, exist_ok=True)
 AutoModelForCausalLM.register(MiniMaxM3Config, MiniMaxM3ForCausalLM, exist_ok=True)
 
-__all__ = ["MiniMaxM3Config", "MiniMaxM3Model", "MiniMaxM3ForCausalLM", "MiniMaxM3PreTrainedModel", "MiniMaxM3Cache"]
+__all__ = ["MiniMaxM3Config", "MiniMaxM3Model", "MiniMaxM3ForCausalLM", "MiniMaxM3PreTrainedModel", "MiniMaxM3Cache", "load_model"]

@@ -7,7 +7,7 @@ sequence back to back, each with its absolute position, which is the layout of t
 
 from __future__ import annotations
 
-import math
+import os
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -363,6 +363,27 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
         self.model = MiniMaxM3Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """Also loads the official (``minimax_m3_vl``), MXFP8 and transformers-native layouts (see ``loading``)."""
+        from . import loading
+
+        path = str(pretrained_model_name_or_path)
+        if os.path.isdir(path) and (loading.checkpoint_layout(path) != "ours" or loading.is_mxfp8(path)):
+            if args:
+                raise TypeError("positional arguments after the path are not supported for converted checkpoints")
+            unsupported = set(kwargs) - {"config", "dtype", "torch_dtype", "device_map"}
+            if unsupported:
+                raise TypeError(f"unsupported arguments for a converted checkpoint: {sorted(unsupported)}")
+            config = kwargs.get("config") or MiniMaxM3Config.from_pretrained(path)
+            dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+            return loading.load_converted(cls, path, config, dtype, kwargs.get("device_map"))
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+    def reset_non_persistent_buffers(self) -> None:
+        """Recompute buffers that are not in checkpoints (after loading onto meta-initialised modules)."""
+        self.model.rotary_emb = MiniMaxM3RotaryEmbedding(self.config)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

@@ -1,0 +1,194 @@
+"""Loading MiniMax-M3 weights from the layouts found in the wild into ``MiniMaxM3ForCausalLM``.
+
+* this package's ``save_pretrained`` output (``model_type: minimax_m3``): transformers' loader, unchanged;
+* the official release: a ``minimax_m3_vl`` config with a ``text_config``, safetensors shards with an index and
+  keys prefixed ``language_model.`` (vision tower, projector and ``mtp.`` keys are skipped);
+* the MXFP8 release (``quantization_config.quant_method == "mxfp8"``): e4m3 weights with a uint8 E8M0
+  ``weight_scale_inv`` per 1x32 input block, dequantised at load as ``W = fp8 * 2^(s - 127)``;
+* transformers' native ``MiniMaxM3VLForCausalLM.save_pretrained`` output (``minimax_m3_vl_text``): its
+  ``self_attn.indexer.*``, packed ``mlp.experts.gate_up_proj`` / ``down_proj``, ``mlp.gate.*`` and fused
+  ``gate_up_proj`` names are converted to the checkpoint's.
+
+The router gate and its bias stay fp32 whatever ``dtype`` is asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from typing import Dict, Iterator, Optional, Tuple
+
+import torch
+
+__all__ = ["checkpoint_layout", "iter_checkpoint_tensors", "convert_to_model_names", "dequantize_mxfp8", "load_model"]
+
+logger = logging.getLogger(__name__)
+
+_SKIPPED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "patch_merge_mlp.", "model.vision_tower.",
+                     "model.multi_modal_projector.")
+_FP32_SUFFIXES = ("block_sparse_moe.gate.weight", "block_sparse_moe.e_score_correction_bias")
+
+
+def _read_config(path: str) -> dict:
+    with open(os.path.join(path, "config.json")) as handle:
+        return json.load(handle)
+
+
+def checkpoint_layout(path: str) -> str:
+    """``"ours"``, ``"official"`` (composite VL) or ``"native"`` (transformers' minimax_m3_vl_text)."""
+    model_type = _read_config(path).get("model_type")
+    if model_type == "minimax_m3_vl":
+        return "official"
+    if model_type == "minimax_m3_vl_text":
+        return "native"
+    return "ours"
+
+
+def is_mxfp8(path: str) -> bool:
+    config = _read_config(path)
+    quantization = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {}
+    return quantization.get("quant_method") == "mxfp8"
+
+
+def iter_checkpoint_tensors(path: str) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint's safetensors files (sharded with an index, or a single file)."""
+    from safetensors import safe_open
+
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        with open(index_path) as handle:
+            files = sorted(set(json.load(handle)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    for name in files:
+        with safe_open(os.path.join(path, name), framework="pt") as handle:
+            for key in handle.keys():
+                yield key, handle.get_tensor(key)
+
+
+def dequantize_mxfp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """``W = fp8 * 2^(s - 127)`` with one uint8 E8M0 exponent ``s`` per 1x32 block of the input dimension."""
+    if weight.dtype != torch.float8_e4m3fn or scale_inv.dtype != torch.uint8:
+        raise ValueError(f"MXFP8 weights must be e4m3 with uint8 scales, got {weight.dtype} and {scale_inv.dtype}")
+    out_features, in_features = weight.shape
+    if scale_inv.shape != (out_features, -(-in_features // 32)):
+        raise ValueError(f"weight_scale_inv must be [{out_features}, {-(-in_features // 32)}], got {tuple(scale_inv.shape)}")
+    exponents = scale_inv.to(torch.int32).repeat_interleave(32, dim=1)[:, :in_features] - 127
+    return weight.to(torch.float32) * torch.pow(2.0, exponents.to(torch.float32))
+
+
+def _strip_and_filter(key: str) -> Optional[str]:
+    if key.startswith("language_model."):
+        key = key[len("language_model."):]
+    if key.startswith(_SKIPPED_PREFIXES) or key.startswith("mtp.") or ".mtp." in key:
+        return None
+    if key.startswith("model.language_model."):
+        key = "model." + key[len("model.language_model."):]
+    return key
+
+
+def convert_to_model_names(tensors: Iterator[Tuple[str, torch.Tensor]], config) -> Dict[str, torch.Tensor]:
+    """Map any supported layout's tensors to this model's parameter names (MXFP8 dequantised)."""
+    state: Dict[str, torch.Tensor] = {}
+    scales: Dict[str, torch.Tensor] = {}
+    quantized: Dict[str, torch.Tensor] = {}
+    for raw_key, tensor in tensors:
+        key = _strip_and_filter(raw_key)
+        if key is None:
+            continue
+        if key.endswith(".weight_scale_inv"):
+            scales[key[: -len("_scale_inv")]] = tensor
+            continue
+        if tensor.dtype == torch.float8_e4m3fn and key.endswith(".weight"):
+            quantized[key] = tensor
+            continue
+        for name, value in _convert_native(key, tensor, config):
+            state[name] = value
+    for key, weight in quantized.items():
+        if key not in scales:
+            raise ValueError(f"{key} is e4m3 but the checkpoint has no {key}_scale_inv")
+        for name, value in _convert_native(key, dequantize_mxfp8(weight, scales.pop(key)), config):
+            state[name] = value
+    if scales:
+        raise ValueError(f"scales without weights in the checkpoint: {sorted(scales)[:4]}")
+    return state
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+
+
+def _convert_native(key: str, tensor: torch.Tensor, config):
+    """transformers-native names -> checkpoint names (a no-op for keys already in checkpoint form)."""
+    match = _LAYER.match(key)
+    if not match:
+        return [(key, tensor)]
+    layer, rest = match.group(1), match.group(2)
+    prefix = f"model.layers.{layer}."
+    indexer = re.match(r"^self_attn\.indexer\.(q|k)_(proj|norm)\.weight$", rest)
+    if indexer:
+        return [(f"{prefix}self_attn.index_{indexer.group(1)}_{indexer.group(2)}.weight", tensor)]
+    if rest == "mlp.gate_up_proj.weight":
+        gate, up = tensor.chunk(2, dim=0)
+        return [(f"{prefix}mlp.gate_proj.weight", gate), (f"{prefix}mlp.up_proj.weight", up)]
+    if rest == "mlp.gate.weight":
+        return [(f"{prefix}block_sparse_moe.gate.weight", tensor)]
+    if rest == "mlp.gate.e_score_correction_bias":
+        return [(f"{prefix}block_sparse_moe.e_score_correction_bias", tensor)]
+    if rest == "mlp.experts.gate_up_proj":
+        width = tensor.shape[1] // 2
+        out = []
+        for expert in range(tensor.shape[0]):
+            out.append((f"{prefix}block_sparse_moe.experts.{expert}.w1.weight", tensor[expert, :width]))
+            out.append((f"{prefix}block_sparse_moe.experts.{expert}.w3.weight", tensor[expert, width:]))
+        return out
+    if rest == "mlp.experts.down_proj":
+        return [(f"{prefix}block_sparse_moe.experts.{e}.w2.weight", tensor[e]) for e in range(tensor.shape[0])]
+    if rest == "mlp.shared_experts.gate_up_proj.weight":
+        gate, up = tensor.chunk(2, dim=0)
+        return [(f"{prefix}block_sparse_moe.shared_experts.gate_proj.weight", gate),
+                (f"{prefix}block_sparse_moe.shared_experts.up_proj.weight", up)]
+    if rest == "mlp.shared_experts.down_proj.weight":
+        return [(f"{prefix}block_sparse_moe.shared_experts.down_proj.weight", tensor)]
+    return [(key, tensor)]
+
+
+def load_model(path: str, *, config=None, dtype: Optional[torch.dtype] = None, device_map=None):
+    """Load any supported layout as ``MiniMaxM3ForCausalLM`` (the Auto-style helper for official directories)."""
+    from .configuration_minimax_m3 import MiniMaxM3Config
+    from .modeling_minimax_m3 import MiniMaxM3ForCausalLM
+
+    return MiniMaxM3ForCausalLM.from_pretrained(path, config=config or MiniMaxM3Config.from_pretrained(path),
+                                                dtype=dtype, device_map=device_map)
+
+
+def load_converted(model_class, path: str, config, dtype: Optional[torch.dtype], device_map):
+    """Build the model without initialising weights and fill it from a converted checkpoint."""
+    if isinstance(dtype, str) and dtype != "auto":
+        dtype = getattr(torch, dtype)
+    if dtype in (None, "auto"):
+        dtype = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.float32
+    state = convert_to_model_names(iter_checkpoint_tensors(path), config)
+    with torch.device("meta"):
+        model = model_class(config)
+    expected = set(model.state_dict())
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint at {path} does not match the config: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+    for name in state:
+        keep_fp32 = name.endswith(_FP32_SUFFIXES)
+        state[name] = state[name].to(torch.float32 if keep_fp32 else dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.reset_non_persistent_buffers()
+    model.eval()
+    if device_map is not None:
+        from accelerate import dispatch_model, infer_auto_device_map
+
+        if device_map == "auto":
+            device_map = infer_auto_device_map(model, no_split_module_classes=model._no_split_modules)
+        model = dispatch_model(model, device_map=device_map)
+    logger.info("loaded %s (%s layout) into MiniMaxM3ForCausalLM", path, checkpoint_layout(path))
+    return model

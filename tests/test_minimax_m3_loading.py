@@ -1,0 +1,119 @@
+"""Loading the official, MXFP8 and transformers-native layouts; parity with transformers' native model."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from minimax_m3 import MiniMaxM3Config, MiniMaxM3ForCausalLM, load_model
+from minimax_m3.loading import dequantize_mxfp8
+from test_minimax_m3 import tiny_config, tiny_model
+
+
+def write_official(model, path, *, quantize=False):
+    """The release layout: composite config, `language_model.` keys in two shards with an index, extra keys."""
+    path.mkdir()
+    text_config = model.config.to_dict()
+    text_config["model_type"] = "minimax_m3"
+    config = {"model_type": "minimax_m3_vl", "text_config": text_config, "image_token_index": 5}
+    state = {f"language_model.{k}": v.contiguous() for k, v in model.state_dict().items()}
+    if quantize:
+        config["quantization_config"] = {"quant_method": "mxfp8", "activation_scheme": "dynamic", "weight_block_size": [1, 32]}
+        for key in list(state):
+            keep = key.endswith(("embed_tokens.weight", "lm_head.weight", "gate.weight", "norm.weight", "e_score_correction_bias"))
+            if key.endswith("proj.weight") or (key.endswith(".weight") and ".experts." in key):
+                keep = False
+            if not keep and key.endswith(".weight"):
+                state[key], state[key + "_scale_inv"] = quantize_mxfp8(state[key])
+    state["vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(2, 3)
+    state["multi_modal_projector.linear_1.weight"] = torch.zeros(2, 2)
+    state["language_model.model.mtp.layers.0.eh_proj.weight"] = torch.zeros(2, 2)
+    keys = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    weight_map = {}
+    for file, names in shards.items():
+        save_file({k: state[k] for k in names}, str(path / file))
+        weight_map.update({k: file for k in names})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def quantize_mxfp8(weight):
+    """e4m3 values with one power-of-two scale per 1x32 input block (E8M0 as uint8)."""
+    blocks = weight.float().view(weight.shape[0], -1, 32)
+    exponent = torch.ceil(torch.log2(blocks.abs().amax(-1).clamp(min=1e-30) / 448.0)).clamp(-127, 127)
+    scaled = blocks / torch.pow(2.0, exponent)[..., None]
+    return scaled.view_as(weight).to(torch.float8_e4m3fn), (exponent + 127).to(torch.uint8)
+
+
+def test_official_sharded_layout_loads_with_the_same_logits(tmp_path):
+    model = tiny_model()
+    write_official(model, tmp_path / "official")
+    loaded = MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "official", dtype=torch.float32)
+    ids = torch.randint(3, 97, (1, 40))
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
+    assert torch.equal(load_model(str(tmp_path / "official"))(ids).logits, model(ids).logits)
+
+
+def test_mxfp8_release_is_dequantised_at_load(tmp_path):
+    model = tiny_model(intermediate_size=64, shared_intermediate_size=64)
+    write_official(model, tmp_path / "mxfp8", quantize=True)
+    loaded = MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "mxfp8", dtype=torch.bfloat16)
+    reference = tiny_model(intermediate_size=64, shared_intermediate_size=64)
+    with torch.no_grad():
+        for name, parameter in reference.named_parameters():
+            if name.endswith("proj.weight") or ".experts." in name:
+                parameter.copy_(dequantize_mxfp8(*quantize_mxfp8(parameter)))
+    for name, parameter in loaded.named_parameters():
+        expected = dict(reference.named_parameters())[name]
+        if name.endswith(("block_sparse_moe.gate.weight",)):
+            assert parameter.dtype == torch.float32 and torch.equal(parameter, expected)
+        else:
+            assert parameter.dtype == torch.bfloat16
+            assert torch.equal(parameter, expected.to(torch.bfloat16)), name
+    assert not torch.equal(reference.model.layers[0].self_attn.q_proj.weight, model.model.layers[0].self_attn.q_proj.weight)
+
+
+def test_dequantize_mxfp8_uses_e8m0_exponents():
+    weight = torch.tensor([[1.0, -2.0] + [0.5] * 30 + [3.0] * 32]).to(torch.float8_e4m3fn)
+    scales = torch.tensor([[127, 130]], dtype=torch.uint8)
+    out = dequantize_mxfp8(weight, scales)
+    assert out[0, 0] == 1.0 and out[0, 1] == -2.0 and out[0, 32] == 24.0
+    with pytest.raises(ValueError, match="weight_scale_inv must be"):
+        dequantize_mxfp8(weight, scales[:, :1])
+
+
+def native_model():
+    from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLForCausalLM
+
+    config = MiniMaxM3VLTextConfig(
+        vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        intermediate_size=48, dense_intermediate_size=96, shared_intermediate_size=48, num_local_experts=4,
+        num_experts_per_tok=2, rotary_dim=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5},
+        index_n_heads=2, index_head_dim=32, index_block_size=8, index_topk_blocks=3, index_local_blocks=1,
+        layer_types=["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"], mlp_layer_types=["dense", "sparse", "sparse"],
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = MiniMaxM3VLForCausalLM(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(std=0.1)
+    return model
+
+
+def test_parity_with_transformers_native_model(tmp_path):
+    native = native_model()
+    native.save_pretrained(tmp_path / "native")
+    config = MiniMaxM3Config.from_pretrained(tmp_path / "native", index_dtype="float32")
+    ours = MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "native", config=config, dtype=torch.float32)
+    for length in (24, 64):  # all pages selected; then real selection (8 pages of 8, top-3)
+        ids = torch.randint(3, 97, (1, length))
+        expected = native(ids).logits
+        got = ours(ids).logits
+        difference = (got - expected).abs().max().item()
+        print(f"length {length}: max |logit difference| vs transformers' native model {difference:.2e}")
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
