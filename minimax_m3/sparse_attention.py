@@ -25,6 +25,7 @@ __all__ = [
 ]
 
 _QUERY_CHUNK = 64
+_MASK_ELEMENTS = 1 << 24
 _FP8_MAX = 448.0
 
 
@@ -103,19 +104,34 @@ class PageSelector:
 
 
 def dense_attention(q, keys, values, metadata: ForwardMetadata, *, scale: float) -> torch.Tensor:
-    """Causal GQA attention of each sequence's new tokens over its cached tokens (bottom-right aligned)."""
+    """Causal GQA attention of each sequence's new tokens over its cached tokens (bottom-right aligned).
+
+    A fresh prefill (no cached prefix) uses SDPA's own causal mode; new tokens over a cached prefix go in query
+    chunks with an explicit ``[chunk, kv]`` mask, so no ``[S, S]`` tensor is ever built.
+    """
     output = torch.empty_like(q)
-    num_heads, num_kv_heads = q.shape[1], keys.shape[2]
     for sequence, (start, count, kv_length) in enumerate(zip(metadata.query_starts, metadata.query_lengths, metadata.kv_lengths)):
         if count == 0:
             continue
-        query = q[start : start + count].transpose(0, 1)  # [H, n, D]
-        key = keys[sequence, :kv_length].transpose(0, 1).repeat_interleave(num_heads // num_kv_heads, dim=0)
-        value = values[sequence, :kv_length].transpose(0, 1).repeat_interleave(num_heads // num_kv_heads, dim=0)
-        query_positions = torch.arange(kv_length - count, kv_length, device=q.device)
-        allowed = torch.arange(kv_length, device=q.device)[None, :] <= query_positions[:, None]
-        attended = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale)
-        output[start : start + count] = attended.transpose(0, 1)
+        key = keys[sequence, :kv_length].transpose(0, 1)  # [H_kv, kv, D]
+        value = values[sequence, :kv_length].transpose(0, 1)
+        if count == kv_length:
+            query = q[start : start + count].transpose(0, 1)
+            attended = torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, is_causal=True, scale=scale, enable_gqa=True
+            )
+            output[start : start + count] = attended.transpose(0, 1)
+            continue
+        chunk = max(1, _MASK_ELEMENTS // kv_length)
+        for begin in range(0, count, chunk):
+            end = min(count, begin + chunk)
+            query = q[start + begin : start + end].transpose(0, 1)
+            positions = torch.arange(kv_length - count + begin, kv_length - count + end, device=q.device)
+            allowed = torch.arange(kv_length, device=q.device)[None, :] <= positions[:, None]
+            attended = torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, attn_mask=allowed, scale=scale, enable_gqa=True
+            )
+            output[start + begin : start + end] = attended.transpose(0, 1)
     return output
 
 

@@ -285,3 +285,15 @@ def test_save_and_load_round_trip_through_auto_classes(tmp_path):
     moe = bf16.model.layers[1].block_sparse_moe
     assert bf16.model.embed_tokens.weight.dtype == torch.bfloat16
     assert moe.gate.weight.dtype == torch.float32 and moe.e_score_correction_bias.dtype == torch.float32
+
+
+def test_dense_attention_query_chunks_give_the_same_result(monkeypatch):
+    from minimax_m3 import sparse_attention
+
+    model = tiny_model(attention_mode="dense")
+    ids = torch.randint(3, 97, (1, 40))
+    cache = model(ids[:, :10], use_cache=True)[CACHE_FIELD]
+    reference = model(ids[:, 10:], past_key_values=cache).logits
+    monkeypatch.setattr(sparse_attention, "_MASK_ELEMENTS", 64)  # chunks of one or two queries
+    cache = model(ids[:, :10], use_cache=True)[CACHE_FIELD]
+    torch.testing.assert_close(model(ids[:, 10:], past_key_values=cache).logits, reference, atol=1e-6, rtol=0)
