@@ -296,4 +296,4 @@ def test_dense_attention_query_chunks_give_the_same_result(monkeypatch):
     reference = model(ids[:, 10:], past_key_values=cache).logits
     monkeypatch.setattr(sparse_attention, "_MASK_ELEMENTS", 64)  # chunks of one or two queries
     cache = model(ids[:, :10], use_cache=True)[CACHE_FIELD]
-    torch.testing.assert_close(model(ids[:, 10:], past_key_values=cache).logits, reference, atol=1e-6, rtol=0)
+    torch.testing.assert_close(model(ids[:, 10:], past_key_values=cache).logits, reference, atol=1e-5, rtol=0)
