@@ -55,6 +55,8 @@ class MiniMaxM3Config(PreTrainedConfig):
         sparse_attention_implementation (`str`, defaults to `"auto"`): the sparse attention function by name (see
             `minimax_m3.sparse_attention.SPARSE_ATTENTION_FUNCTIONS`).
         indexer_backend (`str`, defaults to `"auto"`): `backend` of the indexer wrapper.
+        max_score_buffer_bytes (`int`, defaults to 8 GiB): bound on the indexer's score buffer (`T * H * pages`
+            fp32, the only allocation that grows faster than the context); longer prompts run in query chunks.
     """
 
     model_type = "minimax_m3"
@@ -103,6 +105,7 @@ class MiniMaxM3Config(PreTrainedConfig):
         attention_mode: str = "sparse",
         sparse_attention_implementation: str = "auto",
         indexer_backend: str = "auto",
+        max_score_buffer_bytes: int = 8 << 30,
         pad_token_id: Optional[int] = None,
         bos_token_id: Optional[int] = 200034,
         eos_token_id: Optional[int] = 200020,
@@ -134,6 +137,7 @@ class MiniMaxM3Config(PreTrainedConfig):
         self.attention_mode = attention_mode
         self.sparse_attention_implementation = sparse_attention_implementation
         self.indexer_backend = indexer_backend
+        self.max_score_buffer_bytes = max_score_buffer_bytes
 
         self.spelling = "nested" if sparse_attention_config is not None else "flat"
         sparse = dict(sparse_attention_config or {})

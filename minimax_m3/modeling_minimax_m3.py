@@ -284,6 +284,9 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
 
         real = self._new_token_mask(attention_mask, batch, new_tokens, inputs_embeds.device)
         query_lengths = real.sum(1).tolist()
+        chunk = self._query_chunk_columns(cache, query_lengths, new_tokens)
+        if chunk < new_tokens:
+            return self._forward_in_chunks(inputs_embeds, attention_mask, cache, use_cache, output_page_selections, chunk)
         cache.reserve(query_lengths)
         metadata = self._metadata(real, cache.lengths, query_lengths)
         packed = inputs_embeds[real]  # [T, hidden], sequences back to back
@@ -303,6 +306,33 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         return MiniMaxM3ModelOutput(
             last_hidden_state=self._unpack(hidden, real),
             page_selections=tuple(selections) if output_page_selections else None,
+            **{CACHE_FIELD: cache if use_cache else None},
+        )
+
+    def _query_chunk_columns(self, cache: MiniMaxM3Cache, query_lengths: list, new_tokens: int) -> int:
+        """Input columns per forward so the indexer's score buffer (``T * H * pages`` fp32, the only super-linear
+        allocation) stays within ``config.max_score_buffer_bytes``: very long prompts run as query chunks."""
+        if self.config.attention_mode != "sparse" or SPARSE_ATTENTION not in self.config.layer_types:
+            return new_tokens
+        pages = -(-max(p + q for p, q in zip(cache.lengths, query_lengths)) // self.config.index_block_size)
+        bytes_per_column = 4 * cache.batch_size * self.config.index_n_heads * pages
+        return max(1, min(new_tokens, self.config.max_score_buffer_bytes // max(1, bytes_per_column)))
+
+    def _forward_in_chunks(self, inputs_embeds, attention_mask, cache, use_cache, output_page_selections, chunk):
+        total = inputs_embeds.shape[1]
+        past_columns = 0 if attention_mask is None else attention_mask.shape[1] - total
+        hidden, selections = [], []
+        for begin in range(0, total, chunk):
+            end = min(total, begin + chunk)
+            mask = None if attention_mask is None else attention_mask[:, : past_columns + end]
+            output = self(inputs_embeds=inputs_embeds[:, begin:end], attention_mask=mask, past_key_values=cache,
+                          use_cache=True, output_page_selections=output_page_selections)
+            hidden.append(output.last_hidden_state)
+            if output_page_selections:
+                selections.append(output.page_selections)
+        return MiniMaxM3ModelOutput(
+            last_hidden_state=torch.cat(hidden, dim=1),
+            page_selections=tuple(torch.cat(parts, dim=1) for parts in zip(*selections)) if output_page_selections else None,
             **{CACHE_FIELD: cache if use_cache else None},
         )
 

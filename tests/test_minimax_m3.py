@@ -297,3 +297,17 @@ def test_dense_attention_query_chunks_give_the_same_result(monkeypatch):
     monkeypatch.setattr(sparse_attention, "_MASK_ELEMENTS", 64)  # chunks of one or two queries
     cache = model(ids[:, :10], use_cache=True)[CACHE_FIELD]
     torch.testing.assert_close(model(ids[:, 10:], past_key_values=cache).logits, reference, atol=1e-5, rtol=0)
+
+
+def test_long_prompts_run_in_query_chunks_within_the_score_buffer_budget():
+    model = tiny_model()
+    ids = torch.randint(3, 97, (2, 50))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    expected = model(ids, attention_mask=mask, output_page_selections=True)
+    budget = tiny_model(max_score_buffer_bytes=4 * 2 * 2 * 7 * 9)  # about 9 columns per chunk at 7 pages
+    budget.load_state_dict(model.state_dict())
+    got = budget(ids, attention_mask=mask, output_page_selections=True)
+    torch.testing.assert_close(got.logits, expected.logits, atol=1e-5, rtol=0)
+    for a, b in zip(got.page_selections, expected.page_selections):
+        assert torch.equal(a[mask.bool()], b[mask.bool()])

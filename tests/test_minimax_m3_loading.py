@@ -117,3 +117,15 @@ def test_parity_with_transformers_native_model(tmp_path):
         difference = (got - expected).abs().max().item()
         print(f"length {length}: max |logit difference| vs transformers' native model {difference:.2e}")
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("device_map", ["auto", {"": "cpu"}])
+def test_device_maps_for_own_and_converted_layouts(tmp_path, device_map):
+    model = tiny_model()
+    ids = torch.randint(3, 97, (1, 30))
+    expected = model(ids).logits
+    model.save_pretrained(tmp_path / "own")
+    write_official(model, tmp_path / "official")
+    for path in (tmp_path / "own", tmp_path / "official"):
+        loaded = MiniMaxM3ForCausalLM.from_pretrained(path, device_map=device_map, dtype=torch.float32)
+        torch.testing.assert_close(loaded(ids).logits, expected, atol=0, rtol=0)
