@@ -175,3 +175,66 @@ def get_sparse_attention_function(name: str) -> Callable:
     if name not in SPARSE_ATTENTION_FUNCTIONS:
         raise ValueError(f"sparse_attention_implementation must be 'auto' or one of {sorted(SPARSE_ATTENTION_FUNCTIONS)}, got {name!r}")
     return SPARSE_ATTENTION_FUNCTIONS[name]
+
+
+def sparse_attention_flex(q, keys, values, selection, metadata: ForwardMetadata, *, scale: float,
+                          page_size: int, query_block: int = 128) -> torch.Tensor:
+    """The same attention as ``sparse_attention_reference`` through FlexAttention, whose cost follows the
+    selected pages: per 128-query block and KV group, the KV blocks are the union of the block's selected
+    pages (``BlockMask.from_kv_blocks``); ``mask_mod`` keeps each query's own pages and the causal bound."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    output = torch.empty_like(q)
+    num_heads, num_kv_heads = q.shape[1], keys.shape[2]
+    group = num_heads // num_kv_heads
+    attend = _flex_attention_callable(q.device)
+    for sequence, (start, count, kv_length) in enumerate(zip(metadata.query_starts, metadata.query_lengths, metadata.kv_lengths)):
+        if count == 0:
+            continue
+        chosen = selection[start : start + count].long()  # [n, G, topk]
+        positions = metadata.positions[start : start + count]
+        kv_blocks = -(-kv_length // page_size)
+        q_blocks = -(-count // query_block)
+        # union of selected pages per (query block, group)
+        padded = torch.full((q_blocks * query_block, num_kv_heads, chosen.shape[-1]), -1, dtype=torch.long, device=q.device)
+        padded[:count] = chosen
+        union = torch.zeros(q_blocks, num_kv_heads, kv_blocks + 1, dtype=torch.bool, device=q.device)
+        block_pages = padded.view(q_blocks, query_block, num_kv_heads, -1).permute(0, 2, 1, 3).reshape(q_blocks, num_kv_heads, -1)
+        union.scatter_(2, torch.where(block_pages >= 0, block_pages, kv_blocks), True)
+        union = union[..., :kv_blocks]
+        kv_num_blocks = union.sum(-1).to(torch.int32).permute(1, 0)  # [G, q_blocks]
+        kv_indices = torch.argsort((~union).to(torch.int8), dim=-1, stable=True).to(torch.int32).permute(1, 0, 2)
+        kv_num_blocks = kv_num_blocks.repeat_interleave(group, dim=0)[None]
+        kv_indices = kv_indices.repeat_interleave(group, dim=0)[None]
+        chosen_by_group = chosen.permute(1, 0, 2).contiguous()  # [G, n, topk]
+
+        def mask_mod(batch, head, q_index, kv_index):
+            selected = (chosen_by_group[head // group, q_index] == kv_index // page_size).any(dim=-1)
+            return selected & (kv_index <= positions[q_index])
+
+        block_mask = BlockMask.from_kv_blocks(
+            kv_num_blocks, kv_indices, BLOCK_SIZE=(query_block, page_size), mask_mod=mask_mod, seq_lengths=(count, kv_length)
+        )
+        query = q[start : start + count].transpose(0, 1)[None]
+        key = keys[sequence, :kv_length].transpose(0, 1)[None]
+        value = values[sequence, :kv_length].transpose(0, 1)[None]
+        attended = attend(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
+        output[start : start + count] = attended[0].transpose(0, 1)
+    return output
+
+
+_compiled_flex = {}
+
+
+def _flex_attention_callable(device: torch.device):
+    """Compiled FlexAttention on CUDA (its fast path); the unfused eager version elsewhere (tests)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    if "cuda" not in _compiled_flex:
+        _compiled_flex["cuda"] = torch.compile(flex_attention, dynamic=True)
+    return _compiled_flex["cuda"]
+
+
+SPARSE_ATTENTION_FUNCTIONS["flex"] = sparse_attention_flex

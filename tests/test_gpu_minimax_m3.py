@@ -39,3 +39,12 @@ def test_real_index_geometry_runs_the_sm90_kernel():
     positions = torch.arange(2600, device="cuda")
     # every row's largest selected page is its local page (the forced one)
     assert torch.equal(selection.max(dim=2).values, (positions // 128)[:, None].expand(-1, 2).int())
+
+
+def test_flex_sparse_attention_on_cuda_matches_the_reference():
+    """Not yet run on the device (added 2026-11-30 after the last device run; see docs/MODEL.md)."""
+    reference = tiny_model().cuda()
+    flex = tiny_model(sparse_attention_implementation="flex").cuda()
+    ids = torch.randint(3, 97, (2, 300), device="cuda")
+    with torch.no_grad():
+        torch.testing.assert_close(flex(ids).logits, reference(ids).logits, atol=1e-4, rtol=1e-4)

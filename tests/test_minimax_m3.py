@@ -311,3 +311,21 @@ def test_long_prompts_run_in_query_chunks_within_the_score_buffer_budget():
     torch.testing.assert_close(got.logits, expected.logits, atol=1e-5, rtol=0)
     for a, b in zip(got.page_selections, expected.page_selections):
         assert torch.equal(a[mask.bool()], b[mask.bool()])
+
+
+def test_flex_sparse_attention_matches_the_reference():
+    import warnings
+
+    reference, flex = tiny_model(), tiny_model(sparse_attention_implementation="flex")
+    flex.load_state_dict(reference.state_dict())
+    ids = torch.randint(3, 97, (2, 45))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    with warnings.catch_warnings(), torch.no_grad():  # FlexAttention has no CPU backward
+        warnings.simplefilter("ignore")  # eager (unfused) FlexAttention on CPU warns
+        got = flex(ids, attention_mask=mask).logits
+        cache = flex(ids[:, :30], attention_mask=mask[:, :30], use_cache=True)[CACHE_FIELD]
+        chunked = flex(ids[:, 30:], attention_mask=mask, past_key_values=cache).logits
+    expected = reference(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], atol=1e-5, rtol=0)
+    torch.testing.assert_close(chunked[mask[:, 30:].bool()], expected[:, 30:][mask[:, 30:].bool()], atol=1e-5, rtol=0)
