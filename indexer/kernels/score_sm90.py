@@ -200,23 +200,8 @@ class PageScoreKernelSm90:
             cpasync.prefetch_descriptor(tma_atom_k)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        consumer_warps = self.num_consumer_warpgroups * self.threads_per_warpgroup // 32
-        q_pipeline = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.q_barriers.data_ptr(),
-            num_stages=self.q_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
-            tx_count=self.q_tile_bytes,
-            defer_sync=True,
-        )
-        k_pipeline = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.k_barriers.data_ptr(),
-            num_stages=self.k_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
-            tx_count=self.page_bytes,
-            defer_sync=True,
-        )
+        q_pipeline = self._tma_pipeline(storage.q_barriers.data_ptr(), self.q_stages, self.q_tile_bytes)
+        k_pipeline = self._tma_pipeline(storage.k_barriers.data_ptr(), self.k_stages, self.page_bytes)
         pipeline.pipeline_init_arrive()
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -232,6 +217,18 @@ class PageScoreKernelSm90:
             cute.arch.warpgroup_reg_alloc(self.consumer_registers)
             self.score(tiled_mma, sQ, sK, mScores, mDescriptors, q_pipeline, k_pipeline,
                        tidx - self.threads_per_warpgroup, cta_idx, num_ctas, num_tasks)
+
+    def _tma_pipeline(self, barriers, stages: int, stage_bytes: int):
+        """A TMA-filled ring: one producer thread arms each stage, every consumer warp releases it."""
+        consumer_warps = self.num_consumer_warpgroups * self.threads_per_warpgroup // 32
+        return pipeline.PipelineTmaAsync.create(
+            barrier_storage=barriers,
+            num_stages=stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+            tx_count=stage_bytes,
+            defer_sync=True,
+        )
 
     @cute.jit
     def load(self, tma_atom_q, mQ, tma_atom_k, mK, sQ, sK, mBlockTable, mDescriptors,
