@@ -329,3 +329,13 @@ def test_flex_sparse_attention_matches_the_reference():
     expected = reference(ids, attention_mask=mask).logits
     torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], atol=1e-5, rtol=0)
     torch.testing.assert_close(chunked[mask[:, 30:].bool()], expected[:, 30:][mask[:, 30:].bool()], atol=1e-5, rtol=0)
+
+
+def test_prefill_benchmark_smoke_run(capsys, tmp_path):
+    from minimax_m3 import bench_prefill
+
+    bench_prefill.main(["--lengths", "40", "--repeats", "1", "--modes", "sparse,dense", "--output", str(tmp_path / "r.json")])
+    printed = capsys.readouterr().out
+    assert "| 40 | sparse |" in printed and "| 40 | dense |" in printed
+    results = json.loads((tmp_path / "r.json").read_text())
+    assert {r["mode"] for r in results} == {"sparse", "dense"} and all(r["seconds"] > 0 for r in results)

@@ -1,0 +1,190 @@
+"""Prefill time and peak memory at MiniMax-M3's attention geometry: ``python -m minimax_m3.bench_prefill``.
+
+A model with M3's attention geometry (hidden 6144, 64 query / 4 KV heads of 128, the real indexer: 4 index heads
+of 128, pages of 128, top-16) and random bf16 weights: one dense layer and ``--sparse-layers`` sparse layers with a
+tiny MoE. One sequence per length; modes: ``sparse`` (indexer ``backend="auto"``), ``dense`` (every layer full
+attention) and ``native`` (transformers' ``MiniMaxM3VLForCausalLM`` with the same geometry, when installed).
+Reports median prefill time over ``--repeats`` (CUDA events, after a warm-up) and peak memory; an OOM is reported
+as OOM. ``--attention-only`` times one sparse layer's attention (indexer + top-k + sparse attention) against the
+same layer in dense mode, the issue's 128K comparison. Prints a table; ``--output`` writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from . import MiniMaxM3Config, MiniMaxM3ForCausalLM
+
+
+def geometry_config(sparse_layers: int, *, tiny: bool, **overrides) -> MiniMaxM3Config:
+    layers = 1 + sparse_layers
+    if tiny:  # CPU smoke runs: small everything, the contract's page/top-k shape kept
+        values = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, rotary_dim=16,
+                      sparse_attention_config={"sparse_attention_freq": [0] + [1] * sparse_layers, "sparse_num_index_heads": 2,
+                                               "sparse_index_dim": 32, "sparse_block_size": 16, "sparse_topk_blocks": 4,
+                                               "sparse_init_block": 0, "sparse_local_block": 1})
+    else:
+        values = dict(hidden_size=6144, num_attention_heads=64, num_key_value_heads=4, head_dim=128, rotary_dim=64,
+                      sparse_attention_config={"sparse_attention_freq": [0] + [1] * sparse_layers, "sparse_num_index_heads": 4,
+                                               "sparse_index_dim": 128, "sparse_block_size": 128, "sparse_topk_blocks": 16,
+                                               "sparse_init_block": 0, "sparse_local_block": 1})
+    values.update(
+        vocab_size=1024, num_hidden_layers=layers, intermediate_size=256, dense_intermediate_size=512,
+        shared_intermediate_size=256, num_local_experts=4, num_experts_per_tok=2, moe_layer_freq=[0] + [1] * sparse_layers,
+        partial_rotary_factor=None, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    values.update(overrides)
+    return MiniMaxM3Config(**values)
+
+
+def build(mode: str, config: MiniMaxM3Config, device, dtype):
+    torch.manual_seed(0)
+    if mode == "native":
+        from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
+        from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLForCausalLM
+
+        native = MiniMaxM3VLTextConfig(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers,
+            num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+            head_dim=config.head_dim, intermediate_size=config.intermediate_size,
+            dense_intermediate_size=config.dense_intermediate_size, shared_intermediate_size=config.shared_intermediate_size,
+            num_local_experts=config.num_local_experts, num_experts_per_tok=config.num_experts_per_tok,
+            rotary_dim=config.rotary_dim, rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta,
+                                                           "partial_rotary_factor": config.rotary_dim / config.head_dim},
+            index_n_heads=config.index_n_heads, index_head_dim=config.index_head_dim,
+            index_block_size=config.index_block_size, index_topk_blocks=config.index_topk_blocks, index_local_blocks=1,
+            layer_types=config.layer_types, mlp_layer_types=config.mlp_layer_types,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )
+        model = MiniMaxM3VLForCausalLM._from_config(native, attn_implementation="sdpa", dtype=dtype)
+    else:
+        mode_config = MiniMaxM3Config(**{**config.to_dict(), "attention_mode": "dense" if mode == "dense" else "sparse"})
+        model = MiniMaxM3ForCausalLM(mode_config).to(dtype)
+    return model.to(device).eval()
+
+
+def measure(fn, device, repeats: int):
+    """Median seconds of ``fn`` after one warm-up, and the peak memory of the last run (CUDA)."""
+    def run_once():
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        begin = time.perf_counter()
+        fn()
+        return time.perf_counter() - begin
+
+    run_once()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        times.append(run_once())
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    return statistics.median(times), peak
+
+
+def bench_model(mode, config, length, device, dtype, repeats):
+    try:
+        model = build(mode, config, device, dtype)
+        ids = torch.randint(3, config.vocab_size, (1, length), device=device)
+
+        def prefill():
+            with torch.no_grad():
+                model(ids, logits_to_keep=1, use_cache=False)
+
+        seconds, peak = measure(prefill, device, repeats)
+        result = dict(mode=mode, length=length, seconds=seconds, tokens_per_second=length / seconds, peak_gib=peak)
+    except torch.OutOfMemoryError:
+        result = dict(mode=mode, length=length, oom=True)
+    except ImportError as error:
+        result = dict(mode=mode, length=length, skipped=str(error))
+    finally:
+        model = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return result
+
+
+def bench_attention(config, length, device, dtype, repeats):
+    """One sparse layer's attention (indexer scores + top-k + sparse attention) vs the same layer dense."""
+    from .cache import MiniMaxM3Cache
+
+    results = {}
+    for mode in ("sparse", "dense"):
+        model = build(mode, config, device, dtype)
+        layer = model.model.layers[1]
+        hidden = torch.randn(1, length, config.hidden_size, device=device, dtype=dtype)
+
+        def attention():
+            with torch.no_grad():
+                cache = MiniMaxM3Cache(model.config, 1)
+                real = torch.ones(1, length, dtype=torch.bool, device=device)
+                cache.reserve([length])
+                metadata = model.model._metadata(real, cache.lengths, [length])
+                cos, sin = model.model.rotary_emb(metadata.positions)
+                layer.self_attn(layer.input_layernorm(hidden[0]), cos, sin, cache, metadata, model.model.page_selector)
+
+        try:
+            results[mode], _ = measure(attention, device, repeats)
+        except torch.OutOfMemoryError:
+            results[mode] = float("nan")
+        model = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return dict(length=length, sparse_attention_seconds=results["sparse"], dense_attention_seconds=results["dense"],
+                speedup=results["dense"] / results["sparse"])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default=None, help="comma-separated prompt lengths (default: 8K,32K,128K,256K on GPU)")
+    parser.add_argument("--modes", default="sparse,dense,native")
+    parser.add_argument("--sparse-layers", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--attention-only", action="store_true")
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tiny = device.type == "cpu"
+    default_lengths = "96,200" if tiny else "8192,32768,131072,262144"
+    lengths = [int(x) for x in (args.lengths or default_lengths).split(",")]
+    dtype = torch.float32 if tiny else torch.bfloat16
+    config = geometry_config(args.sparse_layers, tiny=tiny)
+    if tiny:
+        print("no GPU: a tiny geometry at short lengths (a smoke run, not a measurement)", file=sys.stderr)
+    results = []
+    for length in lengths:
+        if args.attention_only:
+            results.append(bench_attention(config, length, device, dtype, args.repeats))
+        else:
+            for mode in args.modes.split(","):
+                results.append(bench_model(mode, config, length, device, dtype, args.repeats))
+        print(json.dumps(results[-1]), flush=True)
+    if args.output:
+        with open(args.output, "w") as handle:
+            json.dump(results, handle, indent=1)
+    print("\n| length | mode | ms | tokens/s | peak GiB |" if not args.attention_only else "\n| length | sparse attention ms | dense attention ms | speed-up |")
+    print("|---|---|---|---|---|" if not args.attention_only else "|---|---|---|---|")
+    for r in results:
+        if args.attention_only:
+            print(f"| {r['length']} | {r['sparse_attention_seconds'] * 1e3:.1f} | {r['dense_attention_seconds'] * 1e3:.1f} | {r['speedup']:.1f}x |")
+        elif r.get("oom"):
+            print(f"| {r['length']} | {r['mode']} | OOM | - | - |")
+        elif r.get("skipped"):
+            print(f"| {r['length']} | {r['mode']} | skipped ({r['skipped']}) | - | - |")
+        else:
+            print(f"| {r['length']} | {r['mode']} | {r['seconds'] * 1e3:.1f} | {r['tokens_per_second']:.0f} | {r['peak_gib']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
