@@ -89,31 +89,36 @@ def _strip_and_filter(key: str) -> Optional[str]:
     return key
 
 
-def convert_to_model_names(tensors: Iterator[Tuple[str, torch.Tensor]], config) -> Dict[str, torch.Tensor]:
-    """Map any supported layout's tensors to this model's parameter names (MXFP8 dequantised)."""
-    state: Dict[str, torch.Tensor] = {}
-    scales: Dict[str, torch.Tensor] = {}
-    quantized: Dict[str, torch.Tensor] = {}
+def convert_to_model_names(tensors: Iterator[Tuple[str, torch.Tensor]], config) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Stream any supported layout's tensors as ``(model parameter name, tensor)``, MXFP8 dequantised.
+
+    Only an e4m3 weight whose scale has not been read yet (or the reverse) is held back, so a checkpoint streams
+    through with about one shard in memory.
+    """
+    pending_scales: Dict[str, torch.Tensor] = {}
+    pending_weights: Dict[str, torch.Tensor] = {}
     for raw_key, tensor in tensors:
         key = _strip_and_filter(raw_key)
         if key is None:
             continue
         if key.endswith(".weight_scale_inv"):
-            scales[key[: -len("_scale_inv")]] = tensor
+            weight_key = key[: -len("_scale_inv")]
+            if weight_key in pending_weights:
+                yield from _convert_native(weight_key, dequantize_mxfp8(pending_weights.pop(weight_key), tensor), config)
+            else:
+                pending_scales[weight_key] = tensor
             continue
         if tensor.dtype == torch.float8_e4m3fn and key.endswith(".weight"):
-            quantized[key] = tensor
+            if key in pending_scales:
+                yield from _convert_native(key, dequantize_mxfp8(tensor, pending_scales.pop(key)), config)
+            else:
+                pending_weights[key] = tensor
             continue
-        for name, value in _convert_native(key, tensor, config):
-            state[name] = value
-    for key, weight in quantized.items():
-        if key not in scales:
-            raise ValueError(f"{key} is e4m3 but the checkpoint has no {key}_scale_inv")
-        for name, value in _convert_native(key, dequantize_mxfp8(weight, scales.pop(key)), config):
-            state[name] = value
-    if scales:
-        raise ValueError(f"scales without weights in the checkpoint: {sorted(scales)[:4]}")
-    return state
+        yield from _convert_native(key, tensor, config)
+    if pending_weights:
+        raise ValueError(f"e4m3 weights without weight_scale_inv in the checkpoint: {sorted(pending_weights)[:4]}")
+    if pending_scales:
+        raise ValueError(f"scales without weights in the checkpoint: {sorted(pending_scales)[:4]}")
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
@@ -164,31 +169,48 @@ def load_model(path: str, *, config=None, dtype: Optional[torch.dtype] = None, d
 
 
 def load_converted(model_class, path: str, config, dtype: Optional[torch.dtype], device_map):
-    """Build the model without initialising weights and fill it from a converted checkpoint."""
+    """Build the model on the meta device and stream the converted checkpoint straight to each tensor's device."""
+    from accelerate import dispatch_model, infer_auto_device_map
+    from accelerate.utils import set_module_tensor_to_device
+
     if isinstance(dtype, str) and dtype != "auto":
         dtype = getattr(torch, dtype)
     if dtype in (None, "auto"):
         dtype = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.float32
-    state = convert_to_model_names(iter_checkpoint_tensors(path), config)
     with torch.device("meta"):
         model = model_class(config)
+    if device_map is None:
+        device_map = {"": "cpu"}
+    elif device_map == "auto":
+        device_map = infer_auto_device_map(model, no_split_module_classes=model._no_split_modules, dtype=dtype)
+    elif isinstance(device_map, (str, torch.device, int)):
+        device_map = {"": device_map}
     expected = set(model.state_dict())
-    missing, unexpected = expected - set(state), set(state) - expected
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint at {path} does not match the config: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
-        )
-    for name in state:
-        keep_fp32 = name.endswith(_FP32_SUFFIXES)
-        state[name] = state[name].to(torch.float32 if keep_fp32 else dtype)
-    model.load_state_dict(state, strict=True, assign=True)
+    loaded = set()
+    for name, tensor in convert_to_model_names(iter_checkpoint_tensors(path), config):
+        if name not in expected:
+            raise ValueError(f"checkpoint at {path} has {name}, which the config's model does not")
+        target = torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype
+        set_module_tensor_to_device(model, name, _device_of(name, device_map), value=tensor.to(target), dtype=target)
+        loaded.add(name)
+    missing = expected - loaded
+    if missing:
+        raise ValueError(f"checkpoint at {path} lacks {len(missing)} tensors of the config's model, e.g. {sorted(missing)[:5]}")
     model.reset_non_persistent_buffers()
     model.eval()
-    if device_map is not None:
-        from accelerate import dispatch_model, infer_auto_device_map
-
-        if device_map == "auto":
-            device_map = infer_auto_device_map(model, no_split_module_classes=model._no_split_modules)
+    if len(set(map(str, device_map.values()))) > 1:
         model = dispatch_model(model, device_map=device_map)
     logger.info("loaded %s (%s layout) into MiniMaxM3ForCausalLM", path, checkpoint_layout(path))
     return model
+
+
+def _device_of(name: str, device_map: dict):
+    """The device of the longest ``device_map`` prefix covering parameter ``name``."""
+    best, device = -1, None
+    for prefix, target in device_map.items():
+        if prefix == "" or name == prefix or name.startswith(prefix + "."):
+            if len(prefix) > best:
+                best, device = len(prefix), target
+    if device is None:
+        raise ValueError(f"device_map does not place {name}")
+    return "cpu" if device == "disk" else device

@@ -413,7 +413,7 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
 
     def reset_non_persistent_buffers(self) -> None:
         """Recompute buffers that are not in checkpoints (after loading onto meta-initialised modules)."""
-        self.model.rotary_emb = MiniMaxM3RotaryEmbedding(self.config)
+        self.model.rotary_emb = MiniMaxM3RotaryEmbedding(self.config).to(self.model.embed_tokens.weight.device)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

@@ -129,3 +129,22 @@ def test_device_maps_for_own_and_converted_layouts(tmp_path, device_map):
     for path in (tmp_path / "own", tmp_path / "official"):
         loaded = MiniMaxM3ForCausalLM.from_pretrained(path, device_map=device_map, dtype=torch.float32)
         torch.testing.assert_close(loaded(ids).logits, expected, atol=0, rtol=0)
+
+
+def test_incomplete_or_mismatched_checkpoints_raise(tmp_path):
+    model = tiny_model()
+    write_official(model, tmp_path / "official")
+    small = tiny_config(num_local_experts=2)
+    with pytest.raises(ValueError, match="which the config's model does not"):
+        MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "official", config=small)
+    index = json.loads((tmp_path / "official" / "model.safetensors.index.json").read_text())
+    dropped = "language_model.model.layers.2.self_attn.o_proj.weight"
+    shard = index["weight_map"].pop(dropped)
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(tmp_path / "official" / shard))
+    tensors.pop(dropped)
+    save_file(tensors, str(tmp_path / "official" / shard))
+    (tmp_path / "official" / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="lacks 1 tensors"):
+        MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "official")
