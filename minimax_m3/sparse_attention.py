@@ -195,17 +195,23 @@ def sparse_attention_flex(q, keys, values, selection, metadata: ForwardMetadata,
         positions = metadata.positions[start : start + count]
         kv_blocks = -(-kv_length // page_size)
         q_blocks = -(-count // query_block)
-        # union of selected pages per (query block, group)
+        # Per (query block, group): how many of the block's queries selected each page. A page selected by every
+        # query of the block and entirely before the block's first position is a *full* block (no mask_mod);
+        # the other selected pages are partial blocks, masked per query.
         padded = torch.full((q_blocks * query_block, num_kv_heads, chosen.shape[-1]), -1, dtype=torch.long, device=q.device)
         padded[:count] = chosen
-        union = torch.zeros(q_blocks, num_kv_heads, kv_blocks + 1, dtype=torch.bool, device=q.device)
         block_pages = padded.view(q_blocks, query_block, num_kv_heads, -1).permute(0, 2, 1, 3).reshape(q_blocks, num_kv_heads, -1)
-        union.scatter_(2, torch.where(block_pages >= 0, block_pages, kv_blocks), True)
-        union = union[..., :kv_blocks]
-        kv_num_blocks = union.sum(-1).to(torch.int32).permute(1, 0)  # [G, q_blocks]
-        kv_indices = torch.argsort((~union).to(torch.int8), dim=-1, stable=True).to(torch.int32).permute(1, 0, 2)
-        kv_num_blocks = kv_num_blocks.repeat_interleave(group, dim=0)[None]
-        kv_indices = kv_indices.repeat_interleave(group, dim=0)[None]
+        votes = torch.zeros(q_blocks, num_kv_heads, kv_blocks + 1, dtype=torch.int32, device=q.device)
+        votes.scatter_add_(2, torch.where(block_pages >= 0, block_pages, kv_blocks), torch.ones_like(block_pages, dtype=torch.int32))
+        votes = votes[..., :kv_blocks]
+        block_starts = torch.arange(q_blocks, device=q.device) * query_block
+        queries_in_block = (count - block_starts).clamp(max=query_block)
+        first_position = positions[block_starts]
+        page_ends = (torch.arange(kv_blocks, device=q.device) + 1) * page_size - 1
+        full = (votes == queries_in_block[:, None, None]) & (page_ends[None, None, :] <= first_position[:, None, None])
+        partial = (votes > 0) & ~full
+        kv_num_blocks, kv_indices = _block_lists(partial, group)
+        full_kv_num_blocks, full_kv_indices = _block_lists(full, group)
         chosen_by_group = chosen.permute(1, 0, 2).contiguous()  # [G, n, topk]
 
         def mask_mod(batch, head, q_index, kv_index):
@@ -213,7 +219,8 @@ def sparse_attention_flex(q, keys, values, selection, metadata: ForwardMetadata,
             return selected & (kv_index <= positions[q_index])
 
         block_mask = BlockMask.from_kv_blocks(
-            kv_num_blocks, kv_indices, BLOCK_SIZE=(query_block, page_size), mask_mod=mask_mod, seq_lengths=(count, kv_length)
+            kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+            BLOCK_SIZE=(query_block, page_size), mask_mod=mask_mod, seq_lengths=(count, kv_length),
         )
         query = q[start : start + count].transpose(0, 1)[None]
         key = keys[sequence, :kv_length].transpose(0, 1)[None]
@@ -221,6 +228,14 @@ def sparse_attention_flex(q, keys, values, selection, metadata: ForwardMetadata,
         attended = attend(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
         output[start : start + count] = attended[0].transpose(0, 1)
     return output
+
+
+def _block_lists(selected: torch.Tensor, group: int):
+    """``[q_blocks, G, kv_blocks]`` booleans -> FlexAttention's per-query-head block counts and index lists
+    (selected blocks first, ascending; the index lists span every KV block, as ``from_kv_blocks`` expects)."""
+    counts = selected.sum(-1).to(torch.int32).permute(1, 0)
+    indices = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True).to(torch.int32).permute(1, 0, 2)
+    return counts.repeat_interleave(group, dim=0)[None], indices.repeat_interleave(group, dim=0)[None]
 
 
 _compiled_flex = {}

@@ -339,3 +339,33 @@ def test_prefill_benchmark_smoke_run(capsys, tmp_path):
     assert "| 40 | sparse |" in printed and "| 40 | dense |" in printed
     results = json.loads((tmp_path / "r.json").read_text())
     assert {r["mode"] for r in results} == {"sparse", "dense"} and all(r["seconds"] > 0 for r in results)
+
+
+@pytest.mark.parametrize("shared_selection", [True, False])
+def test_flex_full_and_partial_blocks_match_the_reference(shared_selection):
+    """Selections shared by whole query blocks give FlexAttention full blocks (no mask_mod); random ones partial."""
+    from minimax_m3.sparse_attention import ForwardMetadata, sparse_attention_flex, sparse_attention_reference
+
+    torch.manual_seed(5)
+    tokens, past, heads, kv_heads, dim, page = 48, 64, 4, 2, 16, 8
+    kv = past + tokens
+    q = torch.randn(tokens, heads, dim)
+    keys = torch.randn(1, kv, kv_heads, dim)
+    values = torch.randn(1, kv, kv_heads, dim)
+    positions = torch.arange(past, kv)
+    selection = torch.full((tokens, kv_heads, 4), -1, dtype=torch.int32)
+    for t in range(tokens):
+        local = int(positions[t]) // page
+        for g in range(kv_heads):
+            rng = torch.Generator().manual_seed((t // 8 if shared_selection else t) * 7 + g)
+            history = torch.randperm(past // page, generator=rng)[:3].sort().values
+            selection[t, g] = torch.cat([history, torch.tensor([local])]).int()
+    metadata = ForwardMetadata(torch.zeros(tokens, dtype=torch.long), positions, [tokens], [kv], [0])
+    with torch.no_grad():
+        expected = sparse_attention_reference(q, keys, values, selection, metadata, scale=0.25, page_size=page)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = sparse_attention_flex(q, keys, values, selection, metadata, scale=0.25, page_size=page, query_block=8)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
