@@ -146,6 +146,27 @@ def time_graphs(callables, warmup=5, samples=20):
     return statistics.median(times), statistics.pstdev(times) / statistics.mean(times)
 
 
+def schedule_balance(plan, num_ctas: int) -> float:
+    """Mean over max of the per-CTA work under the kernel's static round robin (CTA c runs tasks c, c + grid, ...):
+    the share of the SMs kept busy if every (row, page) costs the same (1.0 = perfectly balanced)."""
+    from .planner import decode_descriptors
+
+    count = int(plan.num_tasks[0])
+    if count == 0:
+        return 1.0
+    fields = decode_descriptors(plan.descriptors[:count].cpu())
+    work = (fields["tokens"] * plan.shape.num_heads * fields["page_count"]).double()
+    per_cta = torch.zeros(num_ctas, dtype=torch.float64)
+    per_cta.index_add_(0, torch.arange(count) % num_ctas, work)
+    return float(per_cta.mean() / per_cta.max())
+
+
+def custom_case(q_len: int, kv_len: int) -> dict:
+    """A batch-1 case outside the suite, e.g. 8192 query tokens at the end of a 32K context."""
+    return {"case_id": f"custom_{q_len}_{kv_len}", "batch_size": 1, "total_q": q_len, "max_final_kv": kv_len,
+            "representative_weight": 0}
+
+
 def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "auto"):
     lengths = sequence_lengths(case)
     unique_bytes = sum((kv - 1) // PAGE_SIZE * PAGE_SIZE * HEAD_DIM for _, kv in lengths) + case["total_q"] * 17 * 4
@@ -159,6 +180,7 @@ def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "
         wrapper = BatchPrefillIndexerQ8KV8Wrapper(num_heads, precision=precision)
         wrapper.plan(cu, seq_lens, block_table, **bounds)
         tasks = int(wrapper.task_plan.num_tasks[0])
+        balance = schedule_balance(wrapper.task_plan, wrapper.task_plan.shape.num_sms)
         runs.append(lambda w=wrapper, q=q, k=k: w.run(q, k))
         scores_only.append(lambda w=wrapper, q=q, k=k: w.run_scores(q, k))
         if baseline:
@@ -166,7 +188,9 @@ def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "
             base_runs.append(TorchFp8Baseline(lengths, num_heads, q, k, block_table, scores))
     result = dict(case_id=case["case_id"], batch=case["batch_size"], total_q=case["total_q"], max_kv=case["max_final_kv"],
                   weight=case.get("representative_weight") or 0, num_heads=num_heads, slots=slots, tasks=tasks,
+                  sm_busy=balance,
                   backend=wrapper.active_backend, precision=precision, tile_rows=wrapper.task_plan.shape.tile_rows,
+                  page_chunk=wrapper.task_plan.shape.page_chunk,
                   useful_flops=useful_flops(lengths, num_heads))
     result["scores_ms"], result["scores_cv"] = time_graphs(scores_only)
     result["run_ms"], result["run_cv"] = time_graphs(runs)
@@ -182,12 +206,21 @@ def main(argv=None):
     parser.add_argument("--heads", default="4", help="comma-separated H values (1, 2, 4)")
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--limit", type=int, default=0, help="first N cases only")
+    parser.add_argument("--case", action="append", default=[], metavar="Q,KV",
+                        help="an extra batch-1 case, e.g. 8192,32768 (repeatable); with --only-custom, only these")
+    parser.add_argument("--only-custom", action="store_true")
+    parser.add_argument("--chunk-policy", choices=["fill_sms", "balanced"], default=None,
+                        help="the planner's page-chunk policy (default: the library's)")
     parser.add_argument("--output", default=None, help="JSON results path")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--precision", choices=["auto", "fp8", "exact"], default="auto")
     parser.add_argument("--tile-rows", type=int, choices=[128, 256], default=None,
                         help="score-kernel q-tile rows (default: the library's)")
     args = parser.parse_args(argv)
+    if args.chunk_policy:
+        from . import planner
+
+        planner.DEFAULT_CHUNK_POLICY = args.chunk_policy
     if args.tile_rows:
         from . import cute_backend
 
@@ -195,9 +228,10 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("indexer.bench needs a CUDA GPU")
     device = torch.device("cuda")
-    cases = load_cases(args.quick)
+    cases = [] if args.only_custom else load_cases(args.quick)
     if args.limit:
         cases = cases[: args.limit]
+    cases += [custom_case(*(int(x) for x in spec.split(","))) for spec in args.case]
     results = []
     for num_heads in (int(h) for h in args.heads.split(",")):
         for index, case in enumerate(cases):
@@ -211,11 +245,11 @@ def main(argv=None):
 
 
 def print_summary(results):
-    print("\n| H | case | B | q | max kv | tasks | scores us | run us | baseline us | TFLOP/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| H | case | B | q | max kv | tasks | SM busy | scores us | run us | baseline us | TFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         base = f"{r['baseline_ms'] * 1e3:.0f}" if "baseline_ms" in r else "-"
-        print(f"| {r['num_heads']} | {r['case_id'][-8:]} | {r['batch']} | {r['total_q']} | {r['max_kv']} | {r['tasks']} | "
+        print(f"| {r['num_heads']} | {r['case_id'][-8:]} | {r['batch']} | {r['total_q']} | {r['max_kv']} | {r['tasks']} | {r['sm_busy']:.2f} | "
               f"{r['scores_ms'] * 1e3:.1f} | {r['run_ms'] * 1e3:.1f} | {base} | {r['tflops_scores']:.0f} |")
     for num_heads in sorted({r["num_heads"] for r in results}):
         subset = [r for r in results if r["num_heads"] == num_heads and r["weight"]]

@@ -9,6 +9,7 @@ sorts only, no atomics). ``build_task_plan`` can refill an existing plan in plac
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -25,6 +26,8 @@ __all__ = [
     "MAX_PAGE_CHUNK",
     "DEFAULT_TILE_ROWS",
     "DEFAULT_NUM_SMS",
+    "CHUNK_POLICIES",
+    "DEFAULT_CHUNK_POLICY",
     "PlanError",
     "PlanShape",
     "TaskPlan",
@@ -44,6 +47,13 @@ MAX_PAGE_CHUNK = 128
 MAX_TILE_TOKENS = 256
 DEFAULT_TILE_ROWS = 128
 DEFAULT_NUM_SMS = 132  # H200
+CHUNK_POLICIES = ("fill_sms", "balanced")
+DEFAULT_CHUNK_POLICY = "fill_sms"
+"""``fill_sms``: split each tile's history so that the plan has about one task per SM. ``balanced``: pick the
+chunk whose static round-robin schedule has the smallest predicted makespan (below); not yet measured on the
+GPU, so not the default (docs/STATUS.md)."""
+_TASK_OVERHEAD_PAGES = 2  # per-task cost (Q tile load, pipeline fill and drain) in pages of work, for the model
+_BALANCED_CANDIDATES = (8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
 
 _INT32_MAX = (1 << 31) - 1
 _PAGE_BEGIN_BITS = 16
@@ -106,6 +116,7 @@ def plan_shape(
     max_seqlen_k: int,
     tile_rows: Optional[int] = None,
     num_sms: int = DEFAULT_NUM_SMS,
+    chunk_policy: Optional[str] = None,
 ) -> PlanShape:
     """Capacities of the plan. Python ints throughout, so nothing overflows; limits raise ValueError.
 
@@ -128,8 +139,15 @@ def plan_shape(
     max_history_pages = (max_seqlen_k - 1) // page_size
     q_tile_capacity = min(total_q, -(-total_q // tile_tokens) + num_requests - 1)
     # Adaptive chunk: enough chunks per tile that even a few q tiles give every SM a task.
-    chunks_per_tile_target = max(1, -(-num_sms // max(1, q_tile_capacity)))
-    page_chunk = min(MAX_PAGE_CHUNK, max(MIN_PAGE_CHUNK, max_history_pages // chunks_per_tile_target))
+    policy = chunk_policy or DEFAULT_CHUNK_POLICY
+    if policy not in CHUNK_POLICIES:
+        raise ValueError(f"chunk_policy must be one of {CHUNK_POLICIES}, got {policy!r}")
+    if policy == "fill_sms":
+        # enough chunks per tile that even a few q tiles give every SM a task
+        chunks_per_tile_target = max(1, -(-num_sms // max(1, q_tile_capacity)))
+        page_chunk = min(MAX_PAGE_CHUNK, max(MIN_PAGE_CHUNK, max_history_pages // chunks_per_tile_target))
+    else:
+        page_chunk = _balanced_page_chunk(total_q, max_seqlen_q, max_seqlen_k, page_size, tile_tokens, num_heads, num_sms)
     chunks_per_tile_capacity = -(-max_history_pages // page_chunk)
     task_capacity = q_tile_capacity * chunks_per_tile_capacity
     if task_capacity > _INT32_MAX:
@@ -151,6 +169,41 @@ def plan_shape(
         chunks_per_tile_capacity=chunks_per_tile_capacity,
         task_capacity=task_capacity,
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _balanced_page_chunk(total_q, max_seqlen_q, max_seqlen_k, page_size, tile_tokens, num_heads, num_sms) -> int:
+    """The chunk minimising the predicted makespan of the kernel's static round robin over heavy-first tasks.
+
+    Host ints only (no device data): the batch is modelled as full requests of ``max_seqlen_q`` query tokens (the
+    last one shorter) at the end of ``max_seqlen_k`` tokens of context, exact for one request. A task of ``r`` rows
+    and ``p`` pages costs ``r * (p + overhead)``; ties go to the larger chunk (fewer tasks).
+    """
+    requests = -(-total_q // max_seqlen_q)
+    lengths = [max_seqlen_q] * (requests - 1) + [total_q - max_seqlen_q * (requests - 1)]
+    tiles_rows, tiles_history = [], []
+    for q_len in lengths:
+        prefix = max_seqlen_k - q_len
+        starts = torch.arange(0, q_len, tile_tokens, dtype=torch.int64)
+        tokens = (q_len - starts).clamp(max=tile_tokens)
+        tiles_rows.append(tokens * num_heads)
+        tiles_history.append((prefix + starts + tokens - 1) // page_size)
+    rows, history = torch.cat(tiles_rows), torch.cat(tiles_history)
+    if int(history.sum()) == 0:
+        return MIN_PAGE_CHUNK
+    best = None
+    for chunk in _BALANCED_CANDIDATES:
+        chunks = (history + chunk - 1) // chunk
+        task_rows = rows.repeat_interleave(chunks)
+        first = torch.cumsum(chunks, 0) - chunks
+        index_in_tile = torch.arange(int(chunks.sum())) - first.repeat_interleave(chunks)
+        pages = (history.repeat_interleave(chunks) - index_in_tile * chunk).clamp(max=chunk)
+        work = torch.sort((task_rows * (pages + _TASK_OVERHEAD_PAGES)).double(), descending=True).values
+        per_cta = torch.zeros(num_sms, dtype=torch.float64).index_add_(0, torch.arange(work.numel()) % num_sms, work)
+        makespan = float(per_cta.max())
+        if best is None or makespan <= best[0]:
+            best = (makespan, chunk)
+    return best[1]
 
 
 def allocate_task_plan(shape: PlanShape, device: torch.device) -> TaskPlan:

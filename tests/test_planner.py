@@ -25,7 +25,8 @@ def metadata(lengths):
     return cu, torch.tensor([k for _, k in lengths], dtype=torch.int32)
 
 
-def build(lengths, num_heads, *, tile_rows=None, num_sms=132, max_seqlen_q=None, max_seqlen_k=None, page_size=128):
+def build(lengths, num_heads, *, tile_rows=None, num_sms=132, max_seqlen_q=None, max_seqlen_k=None, page_size=128,
+          chunk_policy=None):
     cu, seq_lens = metadata(lengths)
     shape = plan_shape(
         num_requests=len(lengths),
@@ -36,6 +37,7 @@ def build(lengths, num_heads, *, tile_rows=None, num_sms=132, max_seqlen_q=None,
         max_seqlen_k=max_seqlen_k or max(k for _, k in lengths),
         tile_rows=tile_rows,
         num_sms=num_sms,
+        chunk_policy=chunk_policy,
     )
     return build_task_plan(cu, seq_lens, shape), shape
 
@@ -108,9 +110,14 @@ lengths_strategy = st.lists(
 
 
 @settings(max_examples=120, deadline=None)
-@given(lengths=lengths_strategy, num_heads=st.sampled_from([1, 2, 4]), tile_rows=st.sampled_from([None, 256]))
-def test_plan_covers_every_tile_and_page_exactly_once(lengths, num_heads, tile_rows):
-    check_plan(lengths, num_heads, tile_rows=tile_rows)
+@given(
+    lengths=lengths_strategy,
+    num_heads=st.sampled_from([1, 2, 4]),
+    tile_rows=st.sampled_from([None, 256]),
+    chunk_policy=st.sampled_from(["fill_sms", "balanced"]),
+)
+def test_plan_covers_every_tile_and_page_exactly_once(lengths, num_heads, tile_rows, chunk_policy):
+    check_plan(lengths, num_heads, tile_rows=tile_rows, chunk_policy=chunk_policy)
 
 
 def test_plan_is_deterministic_and_refills_in_place():
@@ -234,3 +241,31 @@ def test_executing_the_descriptors_reproduces_the_torch_backend(num_heads):
     executed = execute_plan(wrapper.task_plan, wrapper.task_plan.shape, case.q, case.k_cache, case.block_table, torch.full_like(expected, float("nan")))
     assert torch.equal(expected.isnan(), executed.isnan())
     assert torch.equal(expected.nan_to_num(), executed.nan_to_num())
+
+
+def test_bench_schedule_balance_and_suite_shapes():
+    from indexer.bench import load_cases, schedule_balance, sequence_lengths, useful_flops
+
+    for case in load_cases(quick=False):
+        lengths = sequence_lengths(case)
+        assert sum(q for q, _ in lengths) == case["total_q"] and all(1 <= q <= kv for q, kv in lengths)
+        assert max(kv for _, kv in lengths) == case["max_final_kv"]
+        if case["batch_size"] == 1:
+            assert useful_flops(lengths, 1) == case["useful_flops"]
+    plan, shape = build([(16_384, 65_536)], 1, tile_rows=256)
+    assert 0.5 < schedule_balance(plan, shape.num_sms) <= 1.0
+    plan, shape = build([(16, 300)], 1)
+    assert schedule_balance(plan, shape.num_sms) < 0.1  # a couple of tasks on 132 SMs
+
+
+def test_balanced_chunk_policy_predicts_a_shorter_makespan():
+    """The 'balanced' policy's chunk never has a worse modelled round-robin makespan than 'fill_sms'."""
+    from indexer.bench import schedule_balance
+
+    for lengths, heads in (([(16_384, 47_744)], 1), ([(16_384, 27_136)], 4), ([(1_649, 135_537)], 4)):
+        fill, fill_shape = build(lengths, heads, tile_rows=256, chunk_policy="fill_sms")
+        balanced, balanced_shape = build(lengths, heads, tile_rows=256, chunk_policy="balanced")
+        assert MIN_PAGE_CHUNK <= balanced_shape.page_chunk <= MAX_PAGE_CHUNK
+        assert schedule_balance(balanced, 132) >= schedule_balance(fill, 132) - 1e-9
+    with pytest.raises(ValueError, match="chunk_policy"):
+        plan_shape(num_requests=1, total_q=8, num_heads=1, page_size=128, max_seqlen_q=8, max_seqlen_k=800, chunk_policy="lpt")
