@@ -20,6 +20,7 @@ from .contract import MAX_PAGES_PER_ROW
 
 __all__ = [
     "NUM_BUCKETS",
+    "DescriptorWord",
     "BUCKET_THRESHOLDS",
     "DESCRIPTOR_WORDS",
     "MIN_PAGE_CHUNK",
@@ -56,11 +57,27 @@ _TASK_OVERHEAD_PAGES = 2  # per-task cost (Q tile load, pipeline fill and drain)
 _BALANCED_CANDIDATES = (8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
 
 _INT32_MAX = (1 << 31) - 1
+
+
+class DescriptorWord(enum.IntEnum):
+    """The four int32 words of a task descriptor (docs/INDEXER.md); the kernel reads them by these indices."""
+
+    TOKEN_BEGIN = 0
+    POSITION_BEGIN = 1
+    REQUEST = 2
+    PACKED = 3  # page_begin | (page_count - 1) << 16 | (tokens - 1) << 23
+
+
 _PAGE_BEGIN_BITS = 16
-_PAGE_COUNT_SHIFT = 16
+PAGE_BEGIN_MASK = (1 << _PAGE_BEGIN_BITS) - 1
+PAGE_COUNT_SHIFT = 16
 _PAGE_COUNT_BITS = 7
-_TOKENS_SHIFT = 23
+PAGE_COUNT_MASK = (1 << _PAGE_COUNT_BITS) - 1
+TOKENS_SHIFT = 23
 _TOKENS_BITS = 8
+TOKENS_MASK = (1 << _TOKENS_BITS) - 1
+_PAGE_COUNT_SHIFT = PAGE_COUNT_SHIFT
+_TOKENS_SHIFT = TOKENS_SHIFT
 
 
 class PlanError(enum.IntFlag):
@@ -338,14 +355,14 @@ def describe_plan_errors(flags: int) -> str:
 def decode_descriptors(descriptors: torch.Tensor) -> dict:
     """Unpack ``[n, 4]`` descriptors into named int64 columns (tests and tools; the kernel unpacks its own)."""
     d = descriptors.to(torch.int64)
-    packed = d[:, 3]
+    packed = d[:, DescriptorWord.PACKED]
     return {
-        "token_begin": d[:, 0],
-        "position_begin": d[:, 1],
-        "request": d[:, 2],
-        "page_begin": packed & ((1 << _PAGE_BEGIN_BITS) - 1),
-        "page_count": ((packed >> _PAGE_COUNT_SHIFT) & ((1 << _PAGE_COUNT_BITS) - 1)) + 1,
-        "tokens": ((packed >> _TOKENS_SHIFT) & ((1 << _TOKENS_BITS) - 1)) + 1,
+        "token_begin": d[:, DescriptorWord.TOKEN_BEGIN],
+        "position_begin": d[:, DescriptorWord.POSITION_BEGIN],
+        "request": d[:, DescriptorWord.REQUEST],
+        "page_begin": packed & PAGE_BEGIN_MASK,
+        "page_count": ((packed >> PAGE_COUNT_SHIFT) & PAGE_COUNT_MASK) + 1,
+        "tokens": ((packed >> TOKENS_SHIFT) & TOKENS_MASK) + 1,
     }
 
 

@@ -22,12 +22,33 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from ..planner import PAGE_BEGIN_MASK, PAGE_COUNT_MASK, PAGE_COUNT_SHIFT, TOKENS_MASK, TOKENS_SHIFT, DescriptorWord
+
 __all__ = ["PageScoreKernelSm90"]
 
-_DESCRIPTOR_TOKEN_BEGIN = 0
-_DESCRIPTOR_POSITION_BEGIN = 1
-_DESCRIPTOR_REQUEST = 2
-_DESCRIPTOR_PACKED = 3
+
+class TaskDescriptor(NamedTuple):
+    """One task of the plan, unpacked (format: ``indexer.planner.DescriptorWord``, docs/INDEXER.md)."""
+
+    row_begin: cutlass.Int32  # first score row: token_begin * H
+    position_begin: cutlass.Int32
+    request: cutlass.Int32
+    page_begin: cutlass.Int32
+    page_count: cutlass.Int32
+    rows: cutlass.Int32  # tokens * H
+
+
+def load_task(mDescriptors, task, num_heads: int) -> TaskDescriptor:
+    """Read and unpack descriptor ``task`` (trace-time helper; unused fields are dead-code eliminated)."""
+    packed = mDescriptors[task, int(DescriptorWord.PACKED)]
+    return TaskDescriptor(
+        row_begin=mDescriptors[task, int(DescriptorWord.TOKEN_BEGIN)] * num_heads,
+        position_begin=mDescriptors[task, int(DescriptorWord.POSITION_BEGIN)],
+        request=mDescriptors[task, int(DescriptorWord.REQUEST)],
+        page_begin=packed & PAGE_BEGIN_MASK,
+        page_count=((packed >> PAGE_COUNT_SHIFT) & PAGE_COUNT_MASK) + 1,
+        rows=(((packed >> TOKENS_SHIFT) & TOKENS_MASK) + 1) * num_heads,
+    )
 
 
 class RowTargets(NamedTuple):
@@ -240,11 +261,9 @@ class PageScoreKernelSm90:
             tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
         )
         for task in cutlass.range(cta_idx, num_tasks, num_ctas, unroll=1):
-            row_begin = mDescriptors[task, _DESCRIPTOR_TOKEN_BEGIN] * self.num_heads
-            request = mDescriptors[task, _DESCRIPTOR_REQUEST]
-            packed = mDescriptors[task, _DESCRIPTOR_PACKED]
-            page_begin = packed & 0xFFFF
-            page_count = ((packed >> 16) & 0x7F) + 1
+            descriptor = load_task(mDescriptors, task, self.num_heads)
+            row_begin, request = descriptor.row_begin, descriptor.request
+            page_begin, page_count = descriptor.page_begin, descriptor.page_count
             if cutlass.const_expr(self.paired_pages):
                 # An odd chunk is padded with the next page: it exists (at most the local page of the
                 # tile's last token) and the consumers never store it, since it is not before any row's L.
@@ -289,19 +308,16 @@ class PageScoreKernelSm90:
         k_read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.k_stages)
         k_release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.k_stages)
         for task in cutlass.range(cta_idx, num_tasks, num_ctas, unroll=1):
-            row_begin = mDescriptors[task, _DESCRIPTOR_TOKEN_BEGIN] * self.num_heads
-            position_begin = mDescriptors[task, _DESCRIPTOR_POSITION_BEGIN]
-            packed = mDescriptors[task, _DESCRIPTOR_PACKED]
-            page_begin = packed & 0xFFFF
-            page_count = ((packed >> 16) & 0x7F) + 1
+            descriptor = load_task(mDescriptors, task, self.num_heads)
+            page_begin, page_count = descriptor.page_begin, descriptor.page_count
             rows = RowTargets(
                 consumer_tidx,
-                row_begin,
-                (((packed >> 23) & 0xFF) + 1) * self.num_heads,
+                descriptor.row_begin,
+                descriptor.rows,
                 first_row,
                 second_row,
-                (position_begin + first_row // self.num_heads) // self.page_size,
-                (position_begin + second_row // self.num_heads) // self.page_size,
+                (descriptor.position_begin + first_row // self.num_heads) // self.page_size,
+                (descriptor.position_begin + second_row // self.num_heads) // self.page_size,
             )
 
             q_pipeline.consumer_wait(q_state)
