@@ -16,9 +16,12 @@ import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from ..contract import MAX_PAGES_PER_ROW, QUANT_BIAS, QUANT_LEVELS
+
 __all__ = ["TopkSelectKernel", "MAX_HISTORY_PAGES"]
 
-MAX_HISTORY_PAGES = 65535
+MAX_HISTORY_PAGES = MAX_PAGES_PER_ROW - 1
+_MAX_LEVEL = float(MAX_PAGES_PER_ROW - 1)  # quantised levels are 16-bit, like the page ids
 _INT32_MIN = -(2**31)
 
 
@@ -54,7 +57,7 @@ def fma_rn(a, b, c, *, loc=None, ip=None):
 @dsl_user_op
 def truncate_to_u16_level(x, *, loc=None, ip=None):
     """``clamp(trunc(x), 0, 65535)`` as an int32 (cvt.rzi saturates; the clamp bounds the top)."""
-    clamped = _asm_f32("min.f32 $0, $1, $2;", x, 65535.0, loc=loc, ip=ip)
+    clamped = _asm_f32("min.f32 $0, $1, $2;", x, _MAX_LEVEL, loc=loc, ip=ip)
     return cutlass.Int32(
         llvm.inline_asm(T.i32(), [cutlass.Float32(clamped).ir_value(loc=loc, ip=ip)], "cvt.rzi.sat.u32.f32 $0, $1;",
                         "=r,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
@@ -112,10 +115,10 @@ class TopkSelectKernel:
             low = fmin(low, cute.arch.shuffle_sync_bfly(low, offset=1 << offset))
             high = cute.arch.fmax(high, cute.arch.shuffle_sync_bfly(high, offset=1 << offset))
         spread = sub_rn(high, low)
-        quotient = div_rn(65534.0, spread)
+        quotient = div_rn(QUANT_LEVELS, spread)
         usable = (spread != 0.0) & (quotient < float("inf"))
         scale = quotient if usable else cutlass.Float32(0.0)
-        bias = fma_rn(-low, scale, 1.5)
+        bias = fma_rn(-low, scale, QUANT_BIAS)
 
         best = cute.make_rmem_tensor((self.topk - 1,), cutlass.Int32)
         for slot in cutlass.range_constexpr(self.topk - 1):
