@@ -369,3 +369,10 @@ def test_flex_full_and_partial_blocks_match_the_reference(shared_selection):
             warnings.simplefilter("ignore")
             got = sparse_attention_flex(q, keys, values, selection, metadata, scale=0.25, page_size=page, query_block=8)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_beam_search_with_the_cache_equals_without():
+    model = tiny_model()
+    ids = torch.randint(3, 97, (1, 20))
+    settings = dict(max_new_tokens=4, num_beams=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **settings), model.generate(ids, use_cache=False, **settings))
