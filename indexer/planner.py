@@ -76,8 +76,6 @@ PAGE_COUNT_MASK = (1 << _PAGE_COUNT_BITS) - 1
 TOKENS_SHIFT = 23
 _TOKENS_BITS = 8
 TOKENS_MASK = (1 << _TOKENS_BITS) - 1
-_PAGE_COUNT_SHIFT = PAGE_COUNT_SHIFT
-_TOKENS_SHIFT = TOKENS_SHIFT
 
 
 class PlanError(enum.IntFlag):
@@ -283,8 +281,8 @@ def build_task_plan(
     tile_of_task = task_tile[order]
     packed = (
         page_begin[order]
-        | ((page_count[order] - 1) << _PAGE_COUNT_SHIFT)
-        | ((tile_tokens[tile_of_task] - 1) << _TOKENS_SHIFT)
+        | ((page_count[order] - 1) << PAGE_COUNT_SHIFT)
+        | ((tile_tokens[tile_of_task] - 1) << TOKENS_SHIFT)
     )
     descriptors = torch.stack(
         [

@@ -28,6 +28,8 @@ class MiniMaxM3Cache:
         self.keys: list = [None] * config.num_hidden_layers
         self.values: list = [None] * config.num_hidden_layers
         self.index_keys: list = [None] * config.num_hidden_layers
+        self._block_table = None
+        self._block_table_key = None
 
     # ------------------------------------------------------------- HF-facing
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -72,8 +74,13 @@ class MiniMaxM3Cache:
         return keys.view(self.batch_size * (self.capacity // self.page_size), self.page_size, keys.shape[-1])
 
     def block_table(self, device: torch.device) -> torch.Tensor:
+        """``b * pages + p``; built once per capacity and device, shared by every sparse layer."""
         pages = self.capacity // self.page_size
-        return torch.arange(self.batch_size * pages, dtype=torch.int32, device=device).view(self.batch_size, pages)
+        key = (str(device), pages)
+        if self._block_table_key != key:
+            self._block_table = torch.arange(self.batch_size * pages, dtype=torch.int32, device=device).view(self.batch_size, pages)
+            self._block_table_key = key
+        return self._block_table
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         for store in (self.keys, self.values, self.index_keys):

@@ -213,4 +213,6 @@ def _device_of(name: str, device_map: dict):
                 best, device = len(prefix), target
     if device is None:
         raise ValueError(f"device_map does not place {name}")
-    return "cpu" if device == "disk" else device
+    if device == "disk":
+        raise ValueError(f"device_map puts {name} on 'disk': disk offload is not supported for converted checkpoints")
+    return device

@@ -7,6 +7,15 @@ from test_minimax_m3 import tiny_model
 
 pytestmark = pytest.mark.gpu
 
+M3_INDEX_GEOMETRY = dict(
+    head_dim=128,
+    rotary_dim=64,
+    sparse_attention_config={"sparse_attention_freq": [0, 1, 1], "sparse_num_index_heads": 2, "sparse_index_dim": 128,
+                             "sparse_block_size": 128, "sparse_topk_blocks": 16, "sparse_init_block": 0,
+                             "sparse_local_block": 1},
+)
+"""Index head dim 128, pages of 128, top-16 (the kernels' geometry) on the tiny model."""
+
 
 def test_cuda_logits_match_cpu():
     model = tiny_model()
@@ -24,12 +33,7 @@ def test_cuda_logits_match_cpu():
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)), reason="needs SM90")
 def test_real_index_geometry_runs_the_sm90_kernel():
     """Index head dim 128, pages of 128, top-16: the sparse layers are served by the CuTe kernels."""
-    model = tiny_model(
-        head_dim=128, rotary_dim=64, index_dtype="float8_e4m3fn",
-        sparse_attention_config={"sparse_attention_freq": [0, 1, 1], "sparse_num_index_heads": 2, "sparse_index_dim": 128,
-                                 "sparse_block_size": 128, "sparse_topk_blocks": 16, "sparse_init_block": 0,
-                                 "sparse_local_block": 1},
-    ).cuda()
+    model = tiny_model(index_dtype="float8_e4m3fn", **M3_INDEX_GEOMETRY).cuda()
     ids = torch.randint(3, 97, (1, 2600), device="cuda")
     out = model(ids, output_page_selections=True, logits_to_keep=1)
     assert torch.isfinite(out.logits).all()
@@ -45,14 +49,8 @@ def test_flex_sparse_attention_on_cuda_matches_the_reference():
     """The first device run (2026-11-30, 8-token pages) failed, output not captured; a likely cause is that
     FlexAttention's GPU kernels need KV blocks of their tile size, so this uses the real 128-token pages.
     Not yet run on the device in this form (docs/STATUS.md)."""
-    geometry = dict(
-        head_dim=128, rotary_dim=64, index_dtype="float32",
-        sparse_attention_config={"sparse_attention_freq": [0, 1, 1], "sparse_num_index_heads": 2, "sparse_index_dim": 128,
-                                 "sparse_block_size": 128, "sparse_topk_blocks": 16, "sparse_init_block": 0,
-                                 "sparse_local_block": 1},
-    )
-    reference = tiny_model(**geometry).cuda()
-    flex = tiny_model(sparse_attention_implementation="flex", **geometry).cuda()
+    reference = tiny_model(index_dtype="float32", **M3_INDEX_GEOMETRY).cuda()
+    flex = tiny_model(index_dtype="float32", sparse_attention_implementation="flex", **M3_INDEX_GEOMETRY).cuda()
     ids = torch.randint(3, 97, (1, 2600), device="cuda")
     with torch.no_grad():
         torch.testing.assert_close(flex(ids).logits, reference(ids).logits, atol=1e-4, rtol=1e-4)

@@ -161,3 +161,9 @@ def test_incomplete_or_mismatched_checkpoints_raise(tmp_path):
     (tmp_path / "official" / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="lacks 1 tensors"):
         MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "official")
+
+
+def test_disk_offload_is_refused_for_converted_checkpoints(tmp_path):
+    write_official(tiny_model(), tmp_path / "official")
+    with pytest.raises(ValueError, match="disk offload is not supported"):
+        MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "official", device_map={"model.embed_tokens": "disk", "": "cpu"})
