@@ -24,6 +24,7 @@ __all__ = [
     "BUCKET_THRESHOLDS",
     "DESCRIPTOR_WORDS",
     "MIN_PAGE_CHUNK",
+    "BALANCED_MIN_PAGE_CHUNK",
     "MAX_PAGE_CHUNK",
     "DEFAULT_TILE_ROWS",
     "DEFAULT_NUM_SMS",
@@ -54,7 +55,9 @@ DEFAULT_CHUNK_POLICY = "fill_sms"
 chunk whose static round-robin schedule has the smallest predicted makespan (below); not yet measured on the
 GPU, so not the default (docs/STATUS.md)."""
 _TASK_OVERHEAD_PAGES = 2  # per-task cost (Q tile load, pipeline fill and drain) in pages of work, for the model
-_BALANCED_CANDIDATES = (8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
+BALANCED_MIN_PAGE_CHUNK = 2
+"""Short queries over long contexts may need chunks below ``MIN_PAGE_CHUNK`` to give every SM a task."""
+_BALANCED_CANDIDATES = (BALANCED_MIN_PAGE_CHUNK, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
 
 _INT32_MAX = (1 << 31) - 1
 

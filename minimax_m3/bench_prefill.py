@@ -152,6 +152,8 @@ def main(argv=None):
     parser.add_argument("--sparse-layers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--attention-only", action="store_true")
+    parser.add_argument("--sparse-attention", default="auto", choices=["auto", "reference", "flex"],
+                        help="the sparse layers' attention function (config.sparse_attention_implementation)")
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -159,7 +161,7 @@ def main(argv=None):
     default_lengths = "96,200" if tiny else "8192,32768,131072,262144"
     lengths = [int(x) for x in (args.lengths or default_lengths).split(",")]
     dtype = torch.float32 if tiny else torch.bfloat16
-    config = geometry_config(args.sparse_layers, tiny=tiny)
+    config = geometry_config(args.sparse_layers, tiny=tiny, sparse_attention_implementation=args.sparse_attention)
     if tiny:
         print("no GPU: a tiny geometry at short lengths (a smoke run, not a measurement)", file=sys.stderr)
     results = []

@@ -186,7 +186,9 @@ class MiniMaxM3Attention(nn.Module):
         if selection is None:
             attended = dense_attention(q, keys, values, metadata, scale=self.scale)
         else:
-            attend = get_sparse_attention_function(self.config.sparse_attention_implementation)
+            attend = get_sparse_attention_function(
+                self.config.sparse_attention_implementation, x.device, self.config.index_block_size
+            )
             attended = attend(q, keys, values, selection, metadata, scale=self.scale, page_size=self.config.index_block_size)
         return self.o_proj(attended.reshape(tokens, self.num_heads * self.head_dim)), selection
 

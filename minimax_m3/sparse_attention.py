@@ -169,9 +169,16 @@ def sparse_attention_reference(q, keys, values, selection, metadata: ForwardMeta
 SPARSE_ATTENTION_FUNCTIONS: Dict[str, Callable] = {"reference": sparse_attention_reference}
 
 
-def get_sparse_attention_function(name: str) -> Callable:
+FLEX_MIN_PAGE_SIZE = 128
+"""Compiled FlexAttention tiles KV blocks by up to 128 keys; smaller pages go to the reference."""
+
+
+def get_sparse_attention_function(name: str, device: Optional[torch.device] = None, page_size: int = 128) -> Callable:
+    """``"auto"``: FlexAttention on CUDA for pages of a multiple of 128 keys (compiled; its cost follows the
+    selection), the reference elsewhere. Both compute the same exact attention; only the speed differs."""
     if name == "auto":
-        name = "reference"
+        flex = device is not None and device.type == "cuda" and page_size % FLEX_MIN_PAGE_SIZE == 0
+        name = "flex" if flex else "reference"
     if name not in SPARSE_ATTENTION_FUNCTIONS:
         raise ValueError(f"sparse_attention_implementation must be 'auto' or one of {sorted(SPARSE_ATTENTION_FUNCTIONS)}, got {name!r}")
     return SPARSE_ATTENTION_FUNCTIONS[name]
@@ -180,62 +187,91 @@ def get_sparse_attention_function(name: str) -> Callable:
 def sparse_attention_flex(q, keys, values, selection, metadata: ForwardMetadata, *, scale: float,
                           page_size: int, query_block: int = 128) -> torch.Tensor:
     """The same attention as ``sparse_attention_reference`` through FlexAttention, whose cost follows the
-    selected pages: per 128-query block and KV group, the KV blocks are the union of the block's selected
-    pages (``BlockMask.from_kv_blocks``); ``mask_mod`` keeps each query's own pages and the causal bound."""
+    selected pages.
+
+    The query heads of a KV group are packed into the query sequence (row ``t * group + r`` is token ``t``, head
+    ``r`` of the group), so FlexAttention runs with one "head" per KV group and a 128-row query block holds
+    ``128 / group`` tokens (8 at M3's 16 heads per group): the block's KV blocks are the union of few tokens'
+    selections. A page selected by every token of the block and entirely before its first position is a *full*
+    block (no ``mask_mod``); the other selected pages are partial blocks, masked per token by a bit set of its
+    selected pages and the causal bound.
+    """
     from torch.nn.attention.flex_attention import BlockMask
 
     output = torch.empty_like(q)
     num_heads, num_kv_heads = q.shape[1], keys.shape[2]
     group = num_heads // num_kv_heads
+    if query_block % group:
+        raise ValueError(f"query_block ({query_block}) must be a multiple of the query heads per KV group ({group})")
+    tokens_per_block = query_block // group
     attend = _flex_attention_callable(q.device)
     for sequence, (start, count, kv_length) in enumerate(zip(metadata.query_starts, metadata.query_lengths, metadata.kv_lengths)):
         if count == 0:
             continue
         chosen = selection[start : start + count].long()  # [n, G, topk]
         positions = metadata.positions[start : start + count]
-        kv_blocks = -(-kv_length // page_size)
-        q_blocks = -(-count // query_block)
-        # Per (query block, group): how many of the block's queries selected each page. A page selected by every
-        # query of the block and entirely before the block's first position is a *full* block (no mask_mod);
-        # the other selected pages are partial blocks, masked per query.
-        padded = torch.full((q_blocks * query_block, num_kv_heads, chosen.shape[-1]), -1, dtype=torch.long, device=q.device)
-        padded[:count] = chosen
-        block_pages = padded.view(q_blocks, query_block, num_kv_heads, -1).permute(0, 2, 1, 3).reshape(q_blocks, num_kv_heads, -1)
-        votes = torch.zeros(q_blocks, num_kv_heads, kv_blocks + 1, dtype=torch.int32, device=q.device)
-        votes.scatter_add_(2, torch.where(block_pages >= 0, block_pages, kv_blocks), torch.ones_like(block_pages, dtype=torch.int32))
-        votes = votes[..., :kv_blocks]
-        block_starts = torch.arange(q_blocks, device=q.device) * query_block
-        queries_in_block = (count - block_starts).clamp(max=query_block)
-        first_position = positions[block_starts]
-        page_ends = (torch.arange(kv_blocks, device=q.device) + 1) * page_size - 1
-        full = (votes == queries_in_block[:, None, None]) & (page_ends[None, None, :] <= first_position[:, None, None])
-        partial = (votes > 0) & ~full
-        kv_num_blocks, kv_indices = _block_lists(partial, group)
-        full_kv_num_blocks, full_kv_indices = _block_lists(full, group)
-        chosen_by_group = chosen.permute(1, 0, 2).contiguous()  # [G, n, topk]
+        lists, page_bits = _flex_block_lists(chosen, positions, kv_length, page_size, tokens_per_block)
 
         def mask_mod(batch, head, q_index, kv_index):
-            selected = (chosen_by_group[head // group, q_index] == kv_index // page_size).any(dim=-1)
-            return selected & (kv_index <= positions[q_index])
+            token = q_index // group
+            page = kv_index // page_size
+            word = page_bits[head, token, page // 32]
+            return (((word >> (page % 32)) & 1) == 1) & (kv_index <= positions[token])
 
         block_mask = BlockMask.from_kv_blocks(
-            kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-            BLOCK_SIZE=(query_block, page_size), mask_mod=mask_mod, seq_lengths=(count, kv_length),
+            *lists, BLOCK_SIZE=(query_block, page_size), mask_mod=mask_mod, seq_lengths=(count * group, kv_length),
+            compute_q_blocks=False,
         )
-        query = q[start : start + count].transpose(0, 1)[None]
+        query = q[start : start + count].view(count, num_kv_heads, group, -1).transpose(0, 1).reshape(1, num_kv_heads, count * group, -1)
         key = keys[sequence, :kv_length].transpose(0, 1)[None]
         value = values[sequence, :kv_length].transpose(0, 1)[None]
-        attended = attend(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
-        output[start : start + count] = attended[0].transpose(0, 1)
+        attended = attend(query, key, value, block_mask=block_mask, scale=scale)  # [1, G, n * group, D]
+        output[start : start + count] = attended[0].view(num_kv_heads, count, group, -1).transpose(0, 1).reshape(count, num_heads, -1)
     return output
 
 
-def _block_lists(selected: torch.Tensor, group: int):
-    """``[q_blocks, G, kv_blocks]`` booleans -> FlexAttention's per-query-head block counts and index lists
-    (selected blocks first, ascending; the index lists span every KV block, as ``from_kv_blocks`` expects)."""
-    counts = selected.sum(-1).to(torch.int32).permute(1, 0)
-    indices = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True).to(torch.int32).permute(1, 0, 2)
-    return counts.repeat_interleave(group, dim=0)[None], indices.repeat_interleave(group, dim=0)[None]
+def _flex_block_lists(chosen: torch.Tensor, positions: torch.Tensor, kv_length: int, page_size: int, tokens_per_block: int):
+    """FlexAttention's block lists for packed-GQA query blocks, and each token's selected pages as a bit set.
+
+    ``chosen`` is ``[n, G, topk]`` (``-1`` = no page). Returns ``(kv_num_blocks, kv_indices, full_kv_num_blocks,
+    full_kv_indices)``, each ``[1, G, q_blocks, ...]`` with lists as wide as a block's possible union
+    (``tokens_per_block * topk``), and ``page_bits [G, n, ceil(pages / 32)]`` int32.
+    """
+    count, num_groups, topk = chosen.shape
+    device = chosen.device
+    kv_blocks = -(-kv_length // page_size)
+    q_blocks = -(-count // tokens_per_block)
+    width = min(kv_blocks, tokens_per_block * topk)
+    padded = torch.full((q_blocks * tokens_per_block, num_groups, topk), -1, dtype=torch.long, device=device)
+    padded[:count] = chosen
+    block_pages = padded.view(q_blocks, tokens_per_block, num_groups, topk).permute(0, 2, 1, 3).reshape(q_blocks, num_groups, -1)
+    # A token selects a page at most once, so a page's multiplicity in its block = the tokens that selected it.
+    pages, _ = torch.sort(block_pages, dim=-1)
+    first = (pages >= 0) & torch.cat([torch.ones_like(pages[..., :1], dtype=torch.bool), pages[..., 1:] != pages[..., :-1]], dim=-1)
+    run = torch.cumsum(first.to(torch.int64), dim=-1) - 1
+    votes = torch.zeros_like(pages).scatter_add_(-1, run.clamp(min=0), (pages >= 0).to(torch.int64))
+    votes = torch.gather(votes, -1, run.clamp(min=0))  # each page's vote count, at its first occurrence
+    block_begin = torch.arange(q_blocks, device=device) * tokens_per_block
+    tokens_in_block = (count - block_begin).clamp(max=tokens_per_block)
+    first_position = positions[block_begin]
+    before_block = (pages + 1) * page_size - 1 <= first_position[:, None, None]
+    full = first & (votes == tokens_in_block[:, None, None]) & before_block
+    partial = first & ~full
+
+    def compact(keep):
+        ordered = torch.sort(torch.where(keep, pages, kv_blocks), dim=-1).values[..., :width]
+        number = keep.sum(-1).to(torch.int32)  # [q_blocks, G]
+        indices = torch.where(ordered < kv_blocks, ordered, 0).to(torch.int32)
+        return number.transpose(0, 1)[None].contiguous(), indices.transpose(0, 1)[None].contiguous()
+
+    words = -(-kv_blocks // 32)
+    valid = chosen >= 0
+    page = chosen.clamp(min=0)
+    # distinct bits of one word sum to their OR (int64, then bit 31 becomes int32's sign bit)
+    bit = torch.where(valid, torch.ones_like(page) << (page % 32), 0)
+    page_bits = torch.zeros(count, num_groups, words, dtype=torch.int64, device=device).scatter_add_(2, page // 32, bit)
+    page_bits = torch.where(page_bits >= 2**31, page_bits - 2**32, page_bits).to(torch.int32)
+    return (*compact(partial), *compact(full)), page_bits.permute(1, 0, 2).contiguous()
 
 
 _compiled_flex = {}

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from indexer import BatchPrefillIndexerQ8KV8Wrapper
 from indexer.planner import (
+    BALANCED_MIN_PAGE_CHUNK,
     BUCKET_THRESHOLDS,
     MAX_PAGE_CHUNK,
     MIN_PAGE_CHUNK,
@@ -265,7 +266,7 @@ def test_balanced_chunk_policy_predicts_a_shorter_makespan():
     for lengths, heads in (([(16_384, 47_744)], 1), ([(16_384, 27_136)], 4), ([(1_649, 135_537)], 4)):
         fill, fill_shape = build(lengths, heads, tile_rows=256, chunk_policy="fill_sms")
         balanced, balanced_shape = build(lengths, heads, tile_rows=256, chunk_policy="balanced")
-        assert MIN_PAGE_CHUNK <= balanced_shape.page_chunk <= MAX_PAGE_CHUNK
+        assert BALANCED_MIN_PAGE_CHUNK <= balanced_shape.page_chunk <= MAX_PAGE_CHUNK
         assert schedule_balance(balanced, 132) >= schedule_balance(fill, 132) - 1e-9
     with pytest.raises(ValueError, match="chunk_policy"):
         plan_shape(num_requests=1, total_q=8, num_heads=1, page_size=128, max_seqlen_q=8, max_seqlen_k=800, chunk_policy="lpt")

@@ -1,12 +1,15 @@
 """Forced-local-page top-k selection on the GPU, bit for bit the contract's (docs/INDEXER.md).
 
-One warp per score row, several rows per CTA, one launch for all rows. Each lane scans a strided
-share of the row's history twice: once for the min/max, once to build the 16-bit quantised keys, of
-which it keeps its 15 largest in registers (a branch-free compare-exchange chain). The warp then
-merges the lanes' lists in 15 rounds of a butterfly max. The arithmetic is written in PTX with
-explicit rounding (``sub.rn``, ``div.rn``, ``fma.rn``, ``cvt.rzi``) so no compiler contraction or
-approximation can change a key. Keys are held as signed int32 with the top bit flipped, which keeps
-the unsigned key order under signed comparisons.
+One warp per score row, several rows per CTA, one launch for all rows. Each lane reads a strided
+share of the row's history: the first 16 columns per lane stay in registers, longer rows read the
+rest twice. Pass one finds the row's min/max (warp butterflies), pass two builds the 16-bit
+quantised keys. A lane sorts its 16 cached keys with a fixed odd-even merge network (branch-free
+integer min/max), inserts the keys of any further columns into that sorted list, and parks the list in
+shared memory. The warp then takes the top 15 in 15 rounds of one ``redux.sync.max`` over the
+lanes' list heads; the winning lane advances its head by one shared-memory read. The arithmetic is
+written in PTX with explicit rounding (``sub.rn``, ``div.rn``, ``fma.rn``, ``cvt.rzi``) so no
+compiler contraction or approximation can change a key. Keys are held as signed int32 with the top
+bit flipped, which keeps the unsigned key order under signed comparisons.
 """
 
 from __future__ import annotations
@@ -65,12 +68,47 @@ def truncate_to_u16_level(x, *, loc=None, ip=None):
     )
 
 
+@dsl_user_op
+def warp_max_s32(value, *, loc=None, ip=None):
+    """Max of an int32 over the full warp in one ``redux.sync`` (SM80+)."""
+    return cutlass.Int32(
+        llvm.inline_asm(T.i32(), [cutlass.Int32(value).ir_value(loc=loc, ip=ip)], "redux.sync.max.s32 $0, $1, 0xffffffff;",
+                        "=r,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                        loc=loc, ip=ip)
+    )
+
+
+def odd_even_merge_sort_network(size: int) -> list:
+    """Batcher's odd-even merge sort as (i, j) compare-exchange pairs, i < j; ``size`` a power of two."""
+
+    def merge(low, count, stride):
+        step = stride * 2
+        if step < count:
+            yield from merge(low, count, step)
+            yield from merge(low + stride, count, step)
+            yield from ((i, i + stride) for i in range(low + stride, low + count - stride, step))
+        else:
+            yield (low, low + stride)
+
+    def sort(low, count):
+        if count > 1:
+            half = count // 2
+            yield from sort(low, half)
+            yield from sort(low + half, half)
+            yield from merge(low, count, 1)
+
+    if size & (size - 1):
+        raise ValueError(f"size must be a power of two, got {size}")
+    return list(sort(0, size))
+
+
 class TopkSelectKernel:
     """``out[r, :] = select(scores[r, :n-1], n = num_valid_pages[r])`` for k = 16 (k - 1 ranked slots)."""
 
     topk = 16
     warps_per_cta = 4
     cached_per_lane = 16  # rows of up to 512 history pages are read once
+    sort_network = odd_even_merge_sort_network(cached_per_lane)
 
     @cute.jit
     def __call__(
@@ -91,17 +129,22 @@ class TopkSelectKernel:
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         lane = tidx % 32
-        row = cta * self.warps_per_cta + tidx // 32
+        warp = tidx // 32
+        row = cta * self.warps_per_cta + warp
+        # (lane, slot, warp): a lane's sorted keys, one bank per lane, so the merge's reads never conflict
+        sLists = cutlass.utils.SmemAllocator().allocate_tensor(
+            cutlass.Int32, cute.make_layout((32, self.cached_per_lane, self.warps_per_cta)), 16
+        )
         if row < cute.size(mNumValidPages, mode=[0]):
             num_valid = mNumValidPages[row]
             if num_valid <= self.topk:
                 if lane < self.topk:
                     mOut[row, lane] = lane if lane < num_valid else -1
             else:
-                self.select_row(mScores, mOut, row, lane, num_valid)
+                self.select_row(mScores, mOut, sLists, row, lane, warp, num_valid)
 
     @cute.jit
-    def select_row(self, mScores, mOut, row, lane, num_valid):
+    def select_row(self, mScores, mOut, sLists, row, lane, warp, num_valid):
         history = num_valid - 1
         # The first cached_per_lane * 32 scores stay in registers between the two passes; longer
         # rows read the rest twice.
@@ -120,23 +163,31 @@ class TopkSelectKernel:
         scale = quotient if usable else cutlass.Float32(0.0)
         bias = fma_rn(-low, scale, QUANT_BIAS)
 
-        best = cute.make_rmem_tensor((self.topk - 1,), cutlass.Int32)
-        for slot in cutlass.range_constexpr(self.topk - 1):
-            best[slot] = _INT32_MIN
-        self.insert_cached(best, cached, lane, history, scale, bias)
+        # the lane's keys, sorted descending (padding = INT32_MIN, below every real key)
+        best = cute.make_rmem_tensor((self.cached_per_lane,), cutlass.Int32)
+        for i in range(self.cached_per_lane):
+            column = lane + 32 * i
+            best[i] = cutlass.Int32(cutlass.select_(column < history, self.key(cached[i], column, scale, bias), _INT32_MIN))
+        for i, j in self.sort_network:
+            larger = cutlass.max(best[i], best[j])
+            best[j] = cutlass.min(best[i], best[j])
+            best[i] = larger
         for column in cutlass.range(lane + 32 * self.cached_per_lane, history, 32, unroll=1):
             self.insert(best, self.key(mScores[row, column], column, scale, bias))
+        for slot in cutlass.range_constexpr(self.cached_per_lane):
+            sLists[lane, slot, warp] = best[slot]
 
+        # 15 rounds: the warp's largest head wins; its lane moves on to its next key. A lane holds at
+        # most 15 winners, so its head never passes its 16th slot.
+        head = best[0]
+        position = cutlass.Int32(0)
         page_of_lane = cutlass.Int32(-1)
         for rank in cutlass.range_constexpr(self.topk - 1):
-            winner = best[0]
-            for offset in cutlass.range_constexpr(5):
-                winner = cutlass.max(winner, cute.arch.shuffle_sync_bfly(winner, offset=1 << offset))
-            won = best[0] == winner
-            for slot in cutlass.range_constexpr(self.topk - 2):
-                best[slot] = best[slot + 1] if won else best[slot]
-            best[self.topk - 2] = _INT32_MIN if won else best[self.topk - 2]
+            winner = warp_max_s32(head)
             page_of_lane = (~winner & 0xFFFF) if lane == rank else page_of_lane
+            if cutlass.const_expr(rank < self.topk - 2):
+                position = position + cutlass.Int32(cutlass.select_(head == winner, 1, 0))
+                head = sLists[lane, position, warp]
         if lane < self.topk - 1:
             mOut[row, lane] = page_of_lane
         if lane == self.topk - 1:
@@ -156,13 +207,6 @@ class TopkSelectKernel:
             high = cute.arch.fmax(high, cutlass.Float32(cutlass.select_(in_history, value, float("-inf"))))
         return low, high
 
-    def insert_cached(self, best, cached, lane, history, scale, bias):
-        """Trace-time unrolled: insert the keys of the register-cached columns."""
-        for i in range(self.cached_per_lane):
-            column = lane + 32 * i
-            key = cutlass.Int32(cutlass.select_(column < history, self.key(cached[i], column, scale, bias), _INT32_MIN))
-            self.insert(best, key)
-
     @cute.jit
     def key(self, score, column, scale, bias):
         level = truncate_to_u16_level(fma_rn(score, scale, bias))
@@ -170,9 +214,9 @@ class TopkSelectKernel:
 
     @cute.jit
     def insert(self, best, key):
-        """Keep the lane's 15 largest keys, descending; most keys lose to the 15th and skip the chain."""
-        if key > best[self.topk - 2]:
-            for slot in cutlass.range_constexpr(self.topk - 1):
+        """Keep the lane's 16 largest keys, descending; most keys lose to the 16th and skip the chain."""
+        if key > best[self.cached_per_lane - 1]:
+            for slot in cutlass.range_constexpr(self.cached_per_lane):
                 kept = best[slot]
                 best[slot] = cutlass.max(kept, key)
                 key = cutlass.min(kept, key)
