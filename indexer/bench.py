@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from . import BatchPrefillIndexerQ8KV8Wrapper
+from . import BatchPrefillIndexerQ8KV8Wrapper, topk_select
 from .contract import FP8_DTYPE, HEAD_DIM, PAGE_SIZE
 
 CASES_PATH = pathlib.Path(__file__).with_name("bench_data") / "prefill_benchmark_cases_v1.json"
@@ -173,7 +173,7 @@ def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "
     slots = min(8, 2 * L2_BYTES // max(1, unique_bytes) + 2)
     generator = torch.Generator().manual_seed(seed)
     bounds = dict(total_q=case["total_q"], max_seqlen_q=max(q for q, _ in lengths), max_seqlen_k=max(kv for _, kv in lengths))
-    runs, scores_only, base_runs = [], [], []
+    runs, scores_only, topk_only, base_runs = [], [], [], []
     tasks = None
     for _ in range(slots):
         q, k, cu, seq_lens, block_table = make_inputs(lengths, num_heads, device, generator)
@@ -183,6 +183,8 @@ def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "
         balance = schedule_balance(wrapper.task_plan, wrapper.task_plan.shape.num_sms)
         runs.append(lambda w=wrapper, q=q, k=k: w.run(q, k))
         scores_only.append(lambda w=wrapper, q=q, k=k: w.run_scores(q, k))
+        selection = torch.empty(case["total_q"] * num_heads, 16, dtype=torch.int32, device=device)
+        topk_only.append(lambda w=wrapper, out=selection: topk_select(w.scores, w.num_valid_pages, out=out))
         if baseline:
             scores = torch.empty_like(wrapper.scores)
             base_runs.append(TorchFp8Baseline(lengths, num_heads, q, k, block_table, scores))
@@ -194,6 +196,7 @@ def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "
                   useful_flops=useful_flops(lengths, num_heads))
     result["scores_ms"], result["scores_cv"] = time_graphs(scores_only)
     result["run_ms"], result["run_cv"] = time_graphs(runs)
+    result["topk_ms"], result["topk_cv"] = time_graphs(topk_only)  # on the scores the run graphs left
     if baseline:
         result["baseline_ms"], result["baseline_cv"] = time_graphs(base_runs)
     result["tflops_scores"] = result["useful_flops"] / result["scores_ms"] / 1e9
@@ -245,18 +248,19 @@ def main(argv=None):
 
 
 def print_summary(results):
-    print("\n| H | case | B | q | max kv | tasks | SM busy | scores us | run us | baseline us | TFLOP/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| H | case | B | q | max kv | tasks | SM busy | scores us | top-k us | run us | baseline us | TFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         base = f"{r['baseline_ms'] * 1e3:.0f}" if "baseline_ms" in r else "-"
         print(f"| {r['num_heads']} | {r['case_id'][-8:]} | {r['batch']} | {r['total_q']} | {r['max_kv']} | {r['tasks']} | {r['sm_busy']:.2f} | "
-              f"{r['scores_ms'] * 1e3:.1f} | {r['run_ms'] * 1e3:.1f} | {base} | {r['tflops_scores']:.0f} |")
+              f"{r['scores_ms'] * 1e3:.1f} | {r['topk_ms'] * 1e3:.1f} | {r['run_ms'] * 1e3:.1f} | {base} | {r['tflops_scores']:.0f} |")
     for num_heads in sorted({r["num_heads"] for r in results}):
         subset = [r for r in results if r["num_heads"] == num_heads and r["weight"]]
         if not subset:
             continue
         weight = sum(r["weight"] for r in subset)
         line = f"H={num_heads}: weighted mean scores {sum(r['weight'] * r['scores_ms'] for r in subset) / weight * 1e3:.1f} us"
+        line += f", top-k {sum(r['weight'] * r['topk_ms'] for r in subset) / weight * 1e3:.1f} us"
         line += f", run {sum(r['weight'] * r['run_ms'] for r in subset) / weight * 1e3:.1f} us"
         if all("baseline_ms" in r for r in subset):
             line += f", baseline {sum(r['weight'] * r['baseline_ms'] for r in subset) / weight * 1e3:.1f} us"

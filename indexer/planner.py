@@ -50,13 +50,15 @@ MAX_TILE_TOKENS = 256
 DEFAULT_TILE_ROWS = 128
 DEFAULT_NUM_SMS = 132  # H200
 CHUNK_POLICIES = ("fill_sms", "balanced")
-DEFAULT_CHUNK_POLICY = "fill_sms"
-"""``fill_sms``: split each tile's history so that the plan has about one task per SM. ``balanced``: pick the
-chunk whose static round-robin schedule has the smallest predicted makespan (below); not yet measured on the
-GPU, so not the default (docs/STATUS.md)."""
+DEFAULT_CHUNK_POLICY = "balanced"
+"""``balanced``: pick the chunk whose static round-robin schedule has the smallest predicted makespan (below);
+measured on the H200 (docs/PERFORMANCE.md): 373 vs 379 µs scores, 409 vs 430 µs run on the weighted cases at H = 4.
+``fill_sms``: split each tile's history so that the plan has about one task per SM."""
 _TASK_OVERHEAD_PAGES = 2  # per-task cost (Q tile load, pipeline fill and drain) in pages of work, for the model
 BALANCED_MIN_PAGE_CHUNK = 2
 """Short queries over long contexts may need chunks below ``MIN_PAGE_CHUNK`` to give every SM a task."""
+_BALANCED_MODEL_MAX_TILES = 1 << 16
+_BALANCED_MODEL_MAX_TASKS = 1 << 20
 _BALANCED_CANDIDATES = (BALANCED_MIN_PAGE_CHUNK, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
 
 _INT32_MAX = (1 << 31) - 1
@@ -160,12 +162,13 @@ def plan_shape(
     policy = chunk_policy or DEFAULT_CHUNK_POLICY
     if policy not in CHUNK_POLICIES:
         raise ValueError(f"chunk_policy must be one of {CHUNK_POLICIES}, got {policy!r}")
-    if policy == "fill_sms":
-        # enough chunks per tile that even a few q tiles give every SM a task
-        chunks_per_tile_target = max(1, -(-num_sms // max(1, q_tile_capacity)))
-        page_chunk = min(MAX_PAGE_CHUNK, max(MIN_PAGE_CHUNK, max_history_pages // chunks_per_tile_target))
-    else:
-        page_chunk = _balanced_page_chunk(total_q, max_seqlen_q, max_seqlen_k, page_size, tile_tokens, num_heads, num_sms)
+    # fill_sms: enough chunks per tile that even a few q tiles give every SM a task
+    chunks_per_tile_target = max(1, -(-num_sms // max(1, q_tile_capacity)))
+    page_chunk = min(MAX_PAGE_CHUNK, max(MIN_PAGE_CHUNK, max_history_pages // chunks_per_tile_target))
+    if policy == "balanced":
+        page_chunk = _balanced_page_chunk(
+            total_q, max_seqlen_q, max_seqlen_k, page_size, tile_tokens, num_heads, num_sms
+        ) or page_chunk
     chunks_per_tile_capacity = -(-max_history_pages // page_chunk)
     task_capacity = q_tile_capacity * chunks_per_tile_capacity
     if task_capacity > _INT32_MAX:
@@ -212,6 +215,8 @@ def _balanced_page_chunk(total_q, max_seqlen_q, max_seqlen_k, page_size, tile_to
     best = None
     for chunk in _BALANCED_CANDIDATES:
         chunks = (history + chunk - 1) // chunk
+        if int(chunks.sum()) > _BALANCED_MODEL_MAX_TASKS:
+            continue
         task_rows = rows.repeat_interleave(chunks)
         first = torch.cumsum(chunks, 0) - chunks
         index_in_tile = torch.arange(int(chunks.sum())) - first.repeat_interleave(chunks)
@@ -221,7 +226,7 @@ def _balanced_page_chunk(total_q, max_seqlen_q, max_seqlen_k, page_size, tile_to
         makespan = float(per_cta.max())
         if best is None or makespan <= best[0]:
             best = (makespan, chunk)
-    return best[1]
+    return None if best is None else best[1]
 
 
 def allocate_task_plan(shape: PlanShape, device: torch.device) -> TaskPlan:

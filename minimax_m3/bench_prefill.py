@@ -115,13 +115,58 @@ def bench_model(mode, config, length, device, dtype, repeats):
     return result
 
 
-def bench_attention(config, length, device, dtype, repeats):
-    """One sparse layer's attention (indexer scores + top-k + sparse attention) vs the same layer dense."""
+CLUSTER_PAGES = 24
+"""Pages in the pool of a 128-token block for ``--selection clustered`` (the issue's calibration: a 24-page union
+per 128-query block)."""
+
+
+def clustered_selection(length: int, num_groups: int, topk: int, page_size: int, device, generator=None) -> torch.Tensor:
+    """``[length, G, topk]`` selections with a trained model's locality: the tokens of a 128-token block draw their
+    ``topk - 1`` history pages from one pool of ``CLUSTER_PAGES - 1`` pages of the block's history (per group), plus
+    the forced local page. Tokens with at most ``topk`` pages select every page, as the contract does."""
+    blocks = -(-length // page_size)
+    token_block = torch.arange(length, device=device) // page_size
+    candidates = torch.arange(topk, device=device)
+    everything = torch.where(candidates <= token_block[:, None], candidates, -1)[:, None, :].expand(length, num_groups, topk)
+    if blocks <= topk:
+        return everything.to(torch.int32).contiguous()
+    pool_size = min(CLUSTER_PAGES - 1, blocks)
+    pages = torch.arange(blocks, device=device)
+    # per (block, group): a random pool among the block's history pages (block b has pages 0..b-1)
+    order = torch.rand(blocks, num_groups, blocks, device=device, generator=generator)
+    order = torch.where(pages[None, None, :] < pages[:, None, None], order, 2.0)
+    pool = order.argsort(dim=-1)[..., :pool_size]  # [blocks, G, pool]
+    picks = torch.rand(length, num_groups, pool_size, device=device, generator=generator).argsort(dim=-1)[..., : topk - 1]
+    chosen = torch.gather(pool[token_block], 2, picks)  # [length, G, topk - 1]
+    chosen = torch.where(chosen < token_block[:, None, None], chosen, -1)  # pools of young blocks are short
+    selection = torch.cat([chosen, token_block[:, None, None].expand(length, num_groups, 1)], dim=-1)
+    selection = torch.where((token_block < topk)[:, None, None], everything, selection)
+    return selection.to(torch.int32).contiguous()
+
+
+def bench_attention(config, length, device, dtype, repeats, selection: str = "model"):
+    """One sparse layer's attention (indexer scores + top-k + sparse attention) vs the same layer dense.
+
+    ``selection="clustered"``: the indexer still runs (and is timed), but the attention uses
+    ``clustered_selection`` instead of its output: a random-weight model selects nearly independent pages per
+    token, while a trained model's neighbouring tokens share most pages, which is what block-sparse attention
+    exploits."""
     from .cache import MiniMaxM3Cache
 
     results = {}
     for mode in ("sparse", "dense"):
         model = build(mode, config, device, dtype)
+        if mode == "sparse" and selection == "clustered":
+            fixed = clustered_selection(length, config.num_key_value_heads, config.index_topk_blocks,
+                                        config.index_block_size, device)
+            selector = model.model.page_selector
+            real_select = selector.select
+
+            def select(*args, **kwargs):
+                real_select(*args, **kwargs)
+                return fixed
+
+            selector.select = select
         layer = model.model.layers[1]
         hidden = torch.randn(1, length, config.hidden_size, device=device, dtype=dtype)
 
@@ -141,8 +186,8 @@ def bench_attention(config, length, device, dtype, repeats):
         model = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return dict(length=length, sparse_attention_seconds=results["sparse"], dense_attention_seconds=results["dense"],
-                speedup=results["dense"] / results["sparse"])
+    return dict(length=length, selection=selection, sparse_attention_seconds=results["sparse"],
+                dense_attention_seconds=results["dense"], speedup=results["dense"] / results["sparse"])
 
 
 def main(argv=None):
@@ -154,6 +199,8 @@ def main(argv=None):
     parser.add_argument("--attention-only", action="store_true")
     parser.add_argument("--sparse-attention", default="auto", choices=["auto", "reference", "flex"],
                         help="the sparse layers' attention function (config.sparse_attention_implementation)")
+    parser.add_argument("--selection", default="model", choices=["model", "clustered"],
+                        help="--attention-only: attend over the indexer's selections or clustered ones (see bench_attention)")
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -167,7 +214,7 @@ def main(argv=None):
     results = []
     for length in lengths:
         if args.attention_only:
-            results.append(bench_attention(config, length, device, dtype, args.repeats))
+            results.append(bench_attention(config, length, device, dtype, args.repeats, args.selection))
         else:
             for mode in args.modes.split(","):
                 results.append(bench_model(mode, config, length, device, dtype, args.repeats))
@@ -175,11 +222,11 @@ def main(argv=None):
     if args.output:
         with open(args.output, "w") as handle:
             json.dump(results, handle, indent=1)
-    print("\n| length | mode | ms | tokens/s | peak GiB |" if not args.attention_only else "\n| length | sparse attention ms | dense attention ms | speed-up |")
-    print("|---|---|---|---|---|" if not args.attention_only else "|---|---|---|---|")
+    print("\n| length | mode | ms | tokens/s | peak GiB |" if not args.attention_only else "\n| length | selection | sparse attention ms | dense attention ms | speed-up |")
+    print("|---|---|---|---|---|")
     for r in results:
         if args.attention_only:
-            print(f"| {r['length']} | {r['sparse_attention_seconds'] * 1e3:.1f} | {r['dense_attention_seconds'] * 1e3:.1f} | {r['speedup']:.1f}x |")
+            print(f"| {r['length']} | {r['selection']} | {r['sparse_attention_seconds'] * 1e3:.1f} | {r['dense_attention_seconds'] * 1e3:.1f} | {r['speedup']:.1f}x |")
         elif r.get("oom"):
             print(f"| {r['length']} | {r['mode']} | OOM | - | - |")
         elif r.get("skipped"):

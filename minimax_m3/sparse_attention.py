@@ -107,31 +107,29 @@ def dense_attention(q, keys, values, metadata: ForwardMetadata, *, scale: float)
     """Causal GQA attention of each sequence's new tokens over its cached tokens (bottom-right aligned).
 
     A fresh prefill (no cached prefix) uses SDPA's own causal mode; new tokens over a cached prefix go in query
-    chunks with an explicit ``[chunk, kv]`` mask, so no ``[S, S]`` tensor is ever built.
+    chunks with an explicit ``[chunk, kv]`` mask, so no ``[S, S]`` tensor is ever built. Inputs are 4-D with the
+    KV heads repeated per query head (as transformers' ``repeat_kv``) so SDPA can pick its flash kernel.
     """
     output = torch.empty_like(q)
+    group = q.shape[1] // keys.shape[2]
     for sequence, (start, count, kv_length) in enumerate(zip(metadata.query_starts, metadata.query_lengths, metadata.kv_lengths)):
         if count == 0:
             continue
-        key = keys[sequence, :kv_length].transpose(0, 1)  # [H_kv, kv, D]
-        value = values[sequence, :kv_length].transpose(0, 1)
+        key = keys[sequence, :kv_length].transpose(0, 1).repeat_interleave(group, dim=0)[None]  # [1, H, kv, D]
+        value = values[sequence, :kv_length].transpose(0, 1).repeat_interleave(group, dim=0)[None]
         if count == kv_length:
-            query = q[start : start + count].transpose(0, 1)
-            attended = torch.nn.functional.scaled_dot_product_attention(
-                query, key, value, is_causal=True, scale=scale, enable_gqa=True
-            )
-            output[start : start + count] = attended.transpose(0, 1)
+            query = q[start : start + count].transpose(0, 1)[None]
+            attended = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale)
+            output[start : start + count] = attended[0].transpose(0, 1)
             continue
         chunk = max(1, _MASK_ELEMENTS // kv_length)
         for begin in range(0, count, chunk):
             end = min(count, begin + chunk)
-            query = q[start + begin : start + end].transpose(0, 1)
+            query = q[start + begin : start + end].transpose(0, 1)[None]
             positions = torch.arange(kv_length - count + begin, kv_length - count + end, device=q.device)
             allowed = torch.arange(kv_length, device=q.device)[None, :] <= positions[:, None]
-            attended = torch.nn.functional.scaled_dot_product_attention(
-                query, key, value, attn_mask=allowed, scale=scale, enable_gqa=True
-            )
-            output[start + begin : start + end] = attended.transpose(0, 1)
+            attended = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale)
+            output[start + begin : start + end] = attended[0].transpose(0, 1)
     return output
 
 
@@ -210,7 +208,9 @@ def sparse_attention_flex(q, keys, values, selection, metadata: ForwardMetadata,
             continue
         chosen = selection[start : start + count].long()  # [n, G, topk]
         positions = metadata.positions[start : start + count]
-        lists, page_bits = _flex_block_lists(chosen, positions, kv_length, page_size, tokens_per_block)
+        # autograd needs the transposed (q-block) lists, which FlexAttention derives from full-width kv lists
+        backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, keys, values))
+        lists, page_bits = _flex_block_lists(chosen, positions, kv_length, page_size, tokens_per_block, full_width=backward)
 
         def mask_mod(batch, head, q_index, kv_index):
             token = q_index // group
@@ -220,7 +220,7 @@ def sparse_attention_flex(q, keys, values, selection, metadata: ForwardMetadata,
 
         block_mask = BlockMask.from_kv_blocks(
             *lists, BLOCK_SIZE=(query_block, page_size), mask_mod=mask_mod, seq_lengths=(count * group, kv_length),
-            compute_q_blocks=False,
+            compute_q_blocks=backward,
         )
         query = q[start : start + count].view(count, num_kv_heads, group, -1).transpose(0, 1).reshape(1, num_kv_heads, count * group, -1)
         key = keys[sequence, :kv_length].transpose(0, 1)[None]
@@ -230,18 +230,20 @@ def sparse_attention_flex(q, keys, values, selection, metadata: ForwardMetadata,
     return output
 
 
-def _flex_block_lists(chosen: torch.Tensor, positions: torch.Tensor, kv_length: int, page_size: int, tokens_per_block: int):
+def _flex_block_lists(chosen: torch.Tensor, positions: torch.Tensor, kv_length: int, page_size: int, tokens_per_block: int,
+                      full_width: bool = False):
     """FlexAttention's block lists for packed-GQA query blocks, and each token's selected pages as a bit set.
 
     ``chosen`` is ``[n, G, topk]`` (``-1`` = no page). Returns ``(kv_num_blocks, kv_indices, full_kv_num_blocks,
     full_kv_indices)``, each ``[1, G, q_blocks, ...]`` with lists as wide as a block's possible union
-    (``tokens_per_block * topk``), and ``page_bits [G, n, ceil(pages / 32)]`` int32.
+    (``tokens_per_block * topk``; every KV block with ``full_width``), and ``page_bits [G, n, ceil(pages / 32)]``
+    int32.
     """
     count, num_groups, topk = chosen.shape
     device = chosen.device
     kv_blocks = -(-kv_length // page_size)
     q_blocks = -(-count // tokens_per_block)
-    width = min(kv_blocks, tokens_per_block * topk)
+    width = kv_blocks if full_width else min(kv_blocks, tokens_per_block * topk)
     padded = torch.full((q_blocks * tokens_per_block, num_groups, topk), -1, dtype=torch.long, device=device)
     padded[:count] = chosen
     block_pages = padded.view(q_blocks, tokens_per_block, num_groups, topk).permute(0, 2, 1, 3).reshape(q_blocks, num_groups, -1)
@@ -260,6 +262,8 @@ def _flex_block_lists(chosen: torch.Tensor, positions: torch.Tensor, kv_length: 
 
     def compact(keep):
         ordered = torch.sort(torch.where(keep, pages, kv_blocks), dim=-1).values[..., :width]
+        if ordered.shape[-1] < width:
+            ordered = torch.cat([ordered, ordered.new_full((*ordered.shape[:-1], width - ordered.shape[-1]), kv_blocks)], -1)
         number = keep.sum(-1).to(torch.int32)  # [q_blocks, G]
         indices = torch.where(ordered < kv_blocks, ordered, 0).to(torch.int32)
         return number.transpose(0, 1)[None].contiguous(), indices.transpose(0, 1)[None].contiguous()

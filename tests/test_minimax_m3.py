@@ -376,3 +376,25 @@ def test_beam_search_with_the_cache_equals_without():
     ids = torch.randint(3, 97, (1, 20))
     settings = dict(max_new_tokens=4, num_beams=2, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(model.generate(ids, **settings), model.generate(ids, use_cache=False, **settings))
+
+
+def test_clustered_benchmark_selection_is_a_valid_selection_with_small_block_unions():
+    from minimax_m3.bench_prefill import CLUSTER_PAGES, clustered_selection
+
+    length, page = 6000, 128
+    selection = clustered_selection(length, 4, 16, page, "cpu", torch.Generator().manual_seed(0))
+    local = torch.arange(length) // page
+    assert selection.shape == (length, 4, 16)
+    assert bool((selection <= local[:, None, None]).all()) and bool((selection.max(-1).values == local[:, None]).all())
+    ordered = selection.sort(-1).values
+    assert bool(((ordered[..., 1:] != ordered[..., :-1]) | (ordered[..., 1:] < 0)).all())  # distinct pages
+    for block in range(16, length // page):
+        union = selection[block * page : (block + 1) * page, 2].unique()
+        assert union.numel() <= CLUSTER_PAGES
+
+
+def test_attention_benchmark_smoke_run(capsys):
+    from minimax_m3 import bench_prefill
+
+    bench_prefill.main(["--attention-only", "--lengths", "64", "--repeats", "1", "--selection", "clustered"])
+    assert "| 64 | clustered |" in capsys.readouterr().out

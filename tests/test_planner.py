@@ -136,21 +136,27 @@ def test_plan_is_deterministic_and_refills_in_place():
 
 
 def test_short_queries_over_long_context_fill_the_machine():
-    # 171 tokens (two q tiles) over a 100K context: a fixed 64-page chunk would give 26 tasks
-    plan, shape = check_plan([(171, 100_000)], 1)
+    # fill_sms: 171 tokens (two q tiles) over a 100K context: a fixed 64-page chunk would give 26 tasks
+    plan, shape = check_plan([(171, 100_000)], 1, chunk_policy="fill_sms")
     assert MIN_PAGE_CHUNK <= shape.page_chunk < 64
     assert int(plan.num_tasks[0]) >= 132
-    plan, shape = check_plan([(128, 131_072)], 4)
+    plan, shape = check_plan([(128, 131_072)], 4, chunk_policy="fill_sms")
     assert int(plan.num_tasks[0]) >= 132
-    # where even 8-page chunks cannot give every SM a task, the chunk is the smallest allowed
+    # where even 8-page chunks cannot give every SM a task, the chunk is the smallest fill_sms allows ...
     for lengths, heads in (([(171, 55_000)], 1), ([(128, 32_768)], 4)):
-        plan, shape = check_plan(lengths, heads)
+        plan, shape = check_plan(lengths, heads, chunk_policy="fill_sms")
         assert shape.page_chunk == MIN_PAGE_CHUNK
         assert int(plan.num_tasks[0]) < 132
+        # ... which the balanced policy (the default) may go below when its model predicts a shorter makespan
+        balanced, balanced_shape = check_plan(lengths, heads)
+        assert BALANCED_MIN_PAGE_CHUNK <= balanced_shape.page_chunk <= MIN_PAGE_CHUNK
+        assert int(balanced.num_tasks[0]) >= int(plan.num_tasks[0])
+    balanced, balanced_shape = check_plan([(171, 55_000)], 1)
+    assert balanced_shape.page_chunk < MIN_PAGE_CHUNK
 
 
 def test_long_queries_use_the_largest_chunk():
-    plan, shape = check_plan([(16_384, 65_536)], 1)
+    plan, shape = check_plan([(16_384, 65_536)], 1, chunk_policy="fill_sms")
     assert shape.page_chunk == MAX_PAGE_CHUNK
     assert shape.q_tile_capacity == 128
 

@@ -108,7 +108,7 @@ class TopkSelectKernel:
     topk = 16
     warps_per_cta = 4
     cached_per_lane = 16  # rows of up to 512 history pages are read once
-    sort_network = odd_even_merge_sort_network(cached_per_lane)
+    short_row_slots = 8  # rows of up to 256 history pages take a path of half the work
 
     @cute.jit
     def __call__(
@@ -140,20 +140,29 @@ class TopkSelectKernel:
             if num_valid <= self.topk:
                 if lane < self.topk:
                     mOut[row, lane] = lane if lane < num_valid else -1
+            elif num_valid - 1 <= 32 * self.short_row_slots:
+                self.select_row(mScores, mOut, sLists, row, lane, warp, num_valid, self.short_row_slots)
             else:
-                self.select_row(mScores, mOut, sLists, row, lane, warp, num_valid)
+                self.select_row(mScores, mOut, sLists, row, lane, warp, num_valid, self.cached_per_lane)
 
     @cute.jit
-    def select_row(self, mScores, mOut, sLists, row, lane, warp, num_valid):
+    def select_row(self, mScores, mOut, sLists, row, lane, warp, num_valid, slots: cutlass.Constexpr):
         history = num_valid - 1
-        # The first cached_per_lane * 32 scores stay in registers between the two passes; longer
-        # rows read the rest twice.
-        cached = cute.make_rmem_tensor((self.cached_per_lane,), cutlass.Float32)
-        low, high = self.load_cached(mScores, cached, row, lane, history)
-        for column in cutlass.range(lane + 32 * self.cached_per_lane, history, 32, unroll=1):
-            value = mScores[row, column]
-            low = fmin(low, value)
-            high = cute.arch.fmax(high, value)
+        # The first slots * 32 scores stay in registers between the two passes; longer rows (only with
+        # 16 slots) read the rest twice. A slot past the history loads column history - 1, a real score
+        # of the row, so min and max need no masking; its key is masked below.
+        cached = cute.make_rmem_tensor((slots,), cutlass.Float32)
+        low = cutlass.Float32(float("inf"))
+        high = cutlass.Float32(float("-inf"))
+        for i in cutlass.range_constexpr(slots):
+            cached[i] = mScores[row, cutlass.min(lane + 32 * i, history - 1)]
+            low = fmin(low, cached[i])
+            high = cute.arch.fmax(high, cached[i])
+        if cutlass.const_expr(slots == self.cached_per_lane):
+            for column in cutlass.range(lane + 32 * slots, history, 32, unroll=1):
+                value = mScores[row, column]
+                low = fmin(low, value)
+                high = cute.arch.fmax(high, value)
         for offset in cutlass.range_constexpr(5):
             low = fmin(low, cute.arch.shuffle_sync_bfly(low, offset=1 << offset))
             high = cute.arch.fmax(high, cute.arch.shuffle_sync_bfly(high, offset=1 << offset))
@@ -165,20 +174,25 @@ class TopkSelectKernel:
 
         # the lane's keys, sorted descending (padding = INT32_MIN, below every real key)
         best = cute.make_rmem_tensor((self.cached_per_lane,), cutlass.Int32)
-        for i in range(self.cached_per_lane):
-            column = lane + 32 * i
-            best[i] = cutlass.Int32(cutlass.select_(column < history, self.key(cached[i], column, scale, bias), _INT32_MIN))
-        for i, j in self.sort_network:
+        page_bits = self.page_bits(lane)
+        for i in cutlass.range_constexpr(self.cached_per_lane):
+            if cutlass.const_expr(i < slots):
+                key = self.key_of_level(self.level(cached[i], scale, bias), page_bits - 32 * i)
+                best[i] = cutlass.Int32(cutlass.select_(lane + 32 * i < history, key, _INT32_MIN))
+            else:
+                best[i] = _INT32_MIN
+        for i, j in odd_even_merge_sort_network(slots):
             larger = cutlass.max(best[i], best[j])
             best[j] = cutlass.min(best[i], best[j])
             best[i] = larger
-        for column in cutlass.range(lane + 32 * self.cached_per_lane, history, 32, unroll=1):
-            self.insert(best, self.key(mScores[row, column], column, scale, bias))
+        if cutlass.const_expr(slots == self.cached_per_lane):
+            for column in cutlass.range(lane + 32 * slots, history, 32, unroll=1):
+                self.insert(best, self.key_of_level(self.level(mScores[row, column], scale, bias), self.page_bits(column)))
         for slot in cutlass.range_constexpr(self.cached_per_lane):
             sLists[lane, slot, warp] = best[slot]
 
         # 15 rounds: the warp's largest head wins; its lane moves on to its next key. A lane holds at
-        # most 15 winners, so its head never passes its 16th slot.
+        # most 15 winners, so its head never passes its 16th slot (INT32_MIN beyond ``slots``).
         head = best[0]
         position = cutlass.Int32(0)
         page_of_lane = cutlass.Int32(-1)
@@ -193,24 +207,19 @@ class TopkSelectKernel:
         if lane == self.topk - 1:
             mOut[row, lane] = history
 
-    def load_cached(self, mScores, cached, row, lane, history):
-        """Trace-time unrolled: load the first columns into registers, return their min and max."""
-        low = cutlass.Float32(float("inf"))
-        high = cutlass.Float32(float("-inf"))
-        for i in range(self.cached_per_lane):
-            column = lane + 32 * i
-            in_history = column < history
-            # clamped address: always in bounds; a column past the history is loaded but unused
-            value = mScores[row, cutlass.min(column, history - 1)]
-            cached[i] = value
-            low = fmin(low, cutlass.Float32(cutlass.select_(in_history, value, float("inf"))))
-            high = cute.arch.fmax(high, cutlass.Float32(cutlass.select_(in_history, value, float("-inf"))))
-        return low, high
+    @cute.jit
+    def level(self, score, scale, bias):
+        return truncate_to_u16_level(fma_rn(score, scale, bias))
 
     @cute.jit
-    def key(self, score, column, scale, bias):
-        level = truncate_to_u16_level(fma_rn(score, scale, bias))
-        return ((level ^ 0x8000) << 16) | (~column & 0xFFFF)
+    def page_bits(self, column):
+        """The key's low half, ``~column & 0xFFFF``, with bit 31 set: adding ``level << 16`` to it flips the
+        level's top bit, so signed comparisons order the keys as unsigned ones."""
+        return (~column & 0xFFFF) | _INT32_MIN
+
+    @cute.jit
+    def key_of_level(self, level, page_bits):
+        return (level << 16) + page_bits
 
     @cute.jit
     def insert(self, best, key):
