@@ -54,3 +54,25 @@ def test_flex_sparse_attention_on_cuda_matches_the_reference():
     ids = torch.randint(3, 97, (1, 2600), device="cuda")
     with torch.no_grad():
         torch.testing.assert_close(flex(ids).logits, reference(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_give_the_logits_of_one(tmp_path):
+    """accelerate device_map over 2 GPUs (layers split, per-device indexer plans and score buffers) = one GPU."""
+    from minimax_m3 import MiniMaxM3ForCausalLM
+
+    tiny_model(index_dtype="float8_e4m3fn", **M3_INDEX_GEOMETRY).save_pretrained(tmp_path)
+    ids = torch.randint(3, 97, (2, 2600))
+    mask = torch.ones_like(ids)
+    mask[1, :300] = 0
+    one = MiniMaxM3ForCausalLM.from_pretrained(tmp_path, device_map={"": 0}, dtype=torch.float32)
+    split = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 0,
+             "model.layers.2": 1, "model.norm": 1, "lm_head": 1}
+    two = MiniMaxM3ForCausalLM.from_pretrained(tmp_path, device_map=split, dtype=torch.float32)
+    assert {p.device.index for p in two.parameters()} == {0, 1}
+    with torch.no_grad():
+        expected = one(ids.cuda(0), attention_mask=mask.cuda(0), output_page_selections=True)
+        got = two(ids.cuda(0), attention_mask=mask.cuda(0), output_page_selections=True)
+    torch.testing.assert_close(got.logits.to("cuda:0"), expected.logits, atol=1e-5, rtol=1e-5)
+    for a, b in zip(got.page_selections, expected.page_selections):
+        assert torch.equal(a.to("cuda:0")[mask.bool().cuda()], b[mask.bool().cuda()])
