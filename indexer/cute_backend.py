@@ -66,6 +66,11 @@ class PageScoreRunner:
         self.num_ctas = torch.cuda.get_device_properties(device).multi_processor_count
 
     def __call__(self, q, k_pages, scores, block_table, descriptors, num_tasks) -> None:
+        # the tensors' device must be the current one (DLPack export, stream, loaded module)
+        with torch.cuda.device(q.device):
+            self._launch(q, k_pages, scores, block_table, descriptors, num_tasks)
+
+    def _launch(self, q, k_pages, scores, block_table, descriptors, num_tasks) -> None:
         fp8 = not self.exact
         if self.exact:
             # e4m3 is a subset of bf16: the upcast is exact. It converts the whole cache, not just the
@@ -87,7 +92,8 @@ class PageScoreRunner:
     def _compiled(self, arguments, stream):
         from .kernels.score_sm90 import PageScoreKernelSm90
 
-        key = ("page_scores_sm90", self.num_heads, self.consumer_warpgroups, self.exact, self.num_ctas, dsl_version())
+        key = ("page_scores_sm90", self.num_heads, self.consumer_warpgroups, self.exact, self.num_ctas, dsl_version(),
+               torch.cuda.current_device())
         return _compile_once(
             key,
             lambda: PageScoreKernelSm90(self.num_heads, consumer_warpgroups=self.consumer_warpgroups, exact=self.exact),
@@ -99,14 +105,15 @@ def run_topk_select(scores: torch.Tensor, num_valid_pages: torch.Tensor, out: to
     """The GPU top-16 select (``indexer/kernels/topk_select.py``) on validated CUDA tensors."""
     from .kernels.topk_select import TopkSelectKernel
 
-    arguments = (
-        _as_cute(scores, leading_dim=1, align=4),
-        _as_cute(num_valid_pages, leading_dim=0, align=4),
-        _as_cute(out, leading_dim=1, align=4),
-        _stream(),
-    )
-    kernel = _compile_once(("topk_select", dsl_version()), TopkSelectKernel, arguments)
-    kernel(*arguments)
+    with torch.cuda.device(scores.device):
+        arguments = (
+            _as_cute(scores, leading_dim=1, align=4),
+            _as_cute(num_valid_pages, leading_dim=0, align=4),
+            _as_cute(out, leading_dim=1, align=4),
+            _stream(),
+        )
+        kernel = _compile_once(("topk_select", dsl_version(), scores.device.index), TopkSelectKernel, arguments)
+        kernel(*arguments)
 
 
 def _compile_once(key, make_kernel, arguments):
