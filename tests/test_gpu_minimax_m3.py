@@ -46,9 +46,8 @@ def test_real_index_geometry_runs_the_sm90_kernel():
 
 
 def test_flex_sparse_attention_on_cuda_matches_the_reference():
-    """The first device run (2026-11-30, 8-token pages) failed, output not captured; a likely cause is that
-    FlexAttention's GPU kernels need KV blocks of their tile size, so this uses the real 128-token pages.
-    Not yet run on the device in this form (docs/STATUS.md)."""
+    """Compiled FlexAttention (packed GQA, page bit-set mask) == the exact reference, with the real 128-token pages
+    (FlexAttention's GPU tiles need KV blocks of at least their size). Passed on the H200 (2026-11-30)."""
     reference = tiny_model(index_dtype="float32", **M3_INDEX_GEOMETRY).cuda()
     flex = tiny_model(index_dtype="float32", sparse_attention_implementation="flex", **M3_INDEX_GEOMETRY).cuda()
     ids = torch.randint(3, 97, (1, 2600), device="cuda")
