@@ -92,8 +92,7 @@ class PageScoreRunner:
     def _compiled(self, arguments, stream):
         from .kernels.score_sm90 import PageScoreKernelSm90
 
-        key = ("page_scores_sm90", self.num_heads, self.consumer_warpgroups, self.exact, self.num_ctas, dsl_version(),
-               torch.cuda.current_device())
+        key = ("page_scores_sm90", self.num_heads, self.consumer_warpgroups, self.exact, self.num_ctas, dsl_version())
         return _compile_once(
             key,
             lambda: PageScoreKernelSm90(self.num_heads, consumer_warpgroups=self.consumer_warpgroups, exact=self.exact),
@@ -112,11 +111,13 @@ def run_topk_select(scores: torch.Tensor, num_valid_pages: torch.Tensor, out: to
             _as_cute(out, leading_dim=1, align=4),
             _stream(),
         )
-        kernel = _compile_once(("topk_select", dsl_version(), scores.device.index), TopkSelectKernel, arguments)
+        kernel = _compile_once(("topk_select", dsl_version()), TopkSelectKernel, arguments)
         kernel(*arguments)
 
 
 def _compile_once(key, make_kernel, arguments):
+    """The compiled kernel for ``key`` on the current device (a module is loaded per device), compiling once."""
+    key = (*key, torch.cuda.current_device())
     compiled = _compiled.get(key)
     if compiled is not None:
         return compiled

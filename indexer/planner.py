@@ -57,7 +57,8 @@ measured on the H200 (docs/PERFORMANCE.md): 373 vs 379 µs scores, 409 vs 430 µ
 _TASK_OVERHEAD_PAGES = 2  # per-task cost (Q tile load, pipeline fill and drain) in pages of work, for the model
 BALANCED_MIN_PAGE_CHUNK = 2
 """Short queries over long contexts may need chunks below ``MIN_PAGE_CHUNK`` to give every SM a task."""
-_BALANCED_MODEL_MAX_TILES = 1 << 16
+_BALANCED_MODEL_MAX_WAVES = 32
+"""Plans whose ``fill_sms`` chunk already gives this many tasks per SM are balanced enough: the model is skipped."""
 _BALANCED_MODEL_MAX_TASKS = 1 << 20
 _BALANCED_CANDIDATES = (BALANCED_MIN_PAGE_CHUNK, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
 
@@ -165,9 +166,13 @@ def plan_shape(
     # fill_sms: enough chunks per tile that even a few q tiles give every SM a task
     chunks_per_tile_target = max(1, -(-num_sms // max(1, q_tile_capacity)))
     page_chunk = min(MAX_PAGE_CHUNK, max(MIN_PAGE_CHUNK, max_history_pages // chunks_per_tile_target))
-    if policy == "balanced":
+    fill_sms_tasks = q_tile_capacity * -(-max_history_pages // page_chunk)
+    if policy == "balanced" and fill_sms_tasks < _BALANCED_MODEL_MAX_WAVES * num_sms:
+        # the model depends on whole pages, so the context rounded up to a page keeps the memo valid
+        # for a page's worth of decode steps
+        modelled_seqlen_k = -(-max_seqlen_k // page_size) * page_size
         page_chunk = _balanced_page_chunk(
-            total_q, max_seqlen_q, max_seqlen_k, page_size, tile_tokens, num_heads, num_sms
+            total_q, max_seqlen_q, modelled_seqlen_k, page_size, tile_tokens, num_heads, num_sms
         ) or page_chunk
     chunks_per_tile_capacity = -(-max_history_pages // page_chunk)
     task_capacity = q_tile_capacity * chunks_per_tile_capacity

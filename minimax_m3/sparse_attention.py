@@ -203,13 +203,13 @@ def sparse_attention_flex(q, keys, values, selection, metadata: ForwardMetadata,
         raise ValueError(f"query_block ({query_block}) must be a multiple of the query heads per KV group ({group})")
     tokens_per_block = query_block // group
     attend = _flex_attention_callable(q.device)
+    # autograd needs the transposed (q-block) lists, which FlexAttention derives from full-width kv lists
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, keys, values))
     for sequence, (start, count, kv_length) in enumerate(zip(metadata.query_starts, metadata.query_lengths, metadata.kv_lengths)):
         if count == 0:
             continue
         chosen = selection[start : start + count].long()  # [n, G, topk]
         positions = metadata.positions[start : start + count]
-        # autograd needs the transposed (q-block) lists, which FlexAttention derives from full-width kv lists
-        backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, keys, values))
         lists, page_bits = _flex_block_lists(chosen, positions, kv_length, page_size, tokens_per_block, full_width=backward)
 
         def mask_mod(batch, head, q_index, kv_index):

@@ -276,3 +276,16 @@ def test_balanced_chunk_policy_predicts_a_shorter_makespan():
         assert schedule_balance(balanced, 132) >= schedule_balance(fill, 132) - 1e-9
     with pytest.raises(ValueError, match="chunk_policy"):
         plan_shape(num_requests=1, total_q=8, num_heads=1, page_size=128, max_seqlen_q=8, max_seqlen_k=800, chunk_policy="lpt")
+
+
+def test_balanced_model_is_memoised_per_page_and_skipped_for_many_waves():
+    from indexer import planner
+
+    planner._balanced_page_chunk.cache_clear()
+    decode = dict(num_requests=8, total_q=8, num_heads=4, page_size=128, max_seqlen_q=1, tile_rows=256)
+    chunks = {plan_shape(**decode, max_seqlen_k=kv).page_chunk for kv in range(100_001, 100_097)}  # one page
+    assert len(chunks) == 1 and planner._balanced_page_chunk.cache_info().misses == 1
+    many_waves = dict(num_requests=1, total_q=131_072, num_heads=4, page_size=128, max_seqlen_q=131_072,
+                      max_seqlen_k=131_072, tile_rows=256)
+    assert plan_shape(**many_waves).page_chunk == plan_shape(**many_waves, chunk_policy="fill_sms").page_chunk
+    assert planner._balanced_page_chunk.cache_info().misses == 1
