@@ -92,17 +92,19 @@ def variants():
     yield "topk_select", TopkSelectKernel(), topk_kernel_fake_arguments(), None
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_compile_check(kernel_variants, description: str, argv=None) -> int:
+    """Compile each ``(name, kernel, arguments, required_wgmma_kind)`` for sm_90a, print the table, return the exit
+    status (shared by ``python -m indexer.compile_check`` and the model package's kernel check)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--dump-dir", default=None, help="keep the PTX here (default: a temporary folder)")
     args = parser.parse_args(argv)
     if os.environ.get("CUTE_DSL_ARCH") and importlib.metadata.version("nvidia-cutlass-dsl").startswith("4.3"):
         print("note: CUTE_DSL_ARCH is set; DSL 4.3.x then tries to load the CUDA driver", file=sys.stderr)
-    root = pathlib.Path(args.dump_dir) if args.dump_dir else pathlib.Path(tempfile.mkdtemp(prefix="indexer_ptx_"))
+    root = pathlib.Path(args.dump_dir) if args.dump_dir else pathlib.Path(tempfile.mkdtemp(prefix="cute_ptx_"))
     print(f"nvidia-cutlass-dsl {importlib.metadata.version('nvidia-cutlass-dsl')}, target sm_90a, PTX in {root}")
     failures = []
     rows = []
-    for name, kernel, arguments, required_wgmma in variants():
+    for name, kernel, arguments, required_wgmma in kernel_variants:
         start = time.perf_counter()
         try:
             ptx = _ptx_text(_compile(kernel, arguments, root / name))
@@ -138,6 +140,10 @@ def main(argv=None) -> int:
     for failure in failures:
         print(f"FAIL {failure}", file=sys.stderr)
     return 1 if failures else 0
+
+
+def main(argv=None) -> int:
+    return run_compile_check(variants(), __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ import threading
 
 import torch
 
-__all__ = ["dsl_available", "dsl_version", "PageScoreRunner", "run_topk_select"]
+__all__ = ["dsl_available", "dsl_version", "PageScoreRunner", "run_topk_select", "as_cute_tensor", "cute_stream",
+           "compile_once"]
 
 _lock = threading.Lock()
 _compiled: dict = {}
@@ -35,7 +36,8 @@ def dsl_available() -> bool:
     return True
 
 
-def _as_cute(tensor: torch.Tensor, *, leading_dim: int, align: int, fp8: bool = False):
+def as_cute_tensor(tensor: torch.Tensor, *, leading_dim: int, align: int, fp8: bool = False):
+    """A CuTe view of ``tensor`` with every extent and stride dynamic except the unit stride of ``leading_dim``."""
     import cutlass
     from cutlass.cute.runtime import from_dlpack
 
@@ -47,7 +49,8 @@ def _as_cute(tensor: torch.Tensor, *, leading_dim: int, align: int, fp8: bool = 
     return converted.mark_layout_dynamic(leading_dim=leading_dim)
 
 
-def _stream():
+def cute_stream():
+    """The current torch CUDA stream as the DSL's stream argument."""
     import cuda.bindings.driver as cuda_driver
 
     return cuda_driver.CUstream(torch.cuda.current_stream().cuda_stream)
@@ -78,14 +81,14 @@ class PageScoreRunner:
             q = q.to(torch.bfloat16)
             k_pages = k_pages.to(torch.bfloat16)
         arguments = (
-            _as_cute(q.view(q.shape[0] * q.shape[1], q.shape[2]), leading_dim=1, align=16, fp8=fp8),
-            _as_cute(k_pages.permute(1, 2, 0), leading_dim=1, align=16, fp8=fp8),
-            _as_cute(scores, leading_dim=1, align=4),
-            _as_cute(block_table, leading_dim=1, align=4),
-            _as_cute(descriptors, leading_dim=1, align=16),
-            _as_cute(num_tasks, leading_dim=0, align=4),
+            as_cute_tensor(q.view(q.shape[0] * q.shape[1], q.shape[2]), leading_dim=1, align=16, fp8=fp8),
+            as_cute_tensor(k_pages.permute(1, 2, 0), leading_dim=1, align=16, fp8=fp8),
+            as_cute_tensor(scores, leading_dim=1, align=4),
+            as_cute_tensor(block_table, leading_dim=1, align=4),
+            as_cute_tensor(descriptors, leading_dim=1, align=16),
+            as_cute_tensor(num_tasks, leading_dim=0, align=4),
         )
-        stream = _stream()
+        stream = cute_stream()
         kernel = self._compiled(arguments, stream)
         kernel(*arguments, self.num_ctas, stream)
 
@@ -93,7 +96,7 @@ class PageScoreRunner:
         from .kernels.score_sm90 import PageScoreKernelSm90
 
         key = ("page_scores_sm90", self.num_heads, self.consumer_warpgroups, self.exact, self.num_ctas, dsl_version())
-        return _compile_once(
+        return compile_once(
             key,
             lambda: PageScoreKernelSm90(self.num_heads, consumer_warpgroups=self.consumer_warpgroups, exact=self.exact),
             (*arguments, self.num_ctas, stream),
@@ -106,16 +109,16 @@ def run_topk_select(scores: torch.Tensor, num_valid_pages: torch.Tensor, out: to
 
     with torch.cuda.device(scores.device):
         arguments = (
-            _as_cute(scores, leading_dim=1, align=4),
-            _as_cute(num_valid_pages, leading_dim=0, align=4),
-            _as_cute(out, leading_dim=1, align=4),
-            _stream(),
+            as_cute_tensor(scores, leading_dim=1, align=4),
+            as_cute_tensor(num_valid_pages, leading_dim=0, align=4),
+            as_cute_tensor(out, leading_dim=1, align=4),
+            cute_stream(),
         )
-        kernel = _compile_once(("topk_select", dsl_version()), TopkSelectKernel, arguments)
+        kernel = compile_once(("topk_select", dsl_version()), TopkSelectKernel, arguments)
         kernel(*arguments)
 
 
-def _compile_once(key, make_kernel, arguments):
+def compile_once(key, make_kernel, arguments):
     """The compiled kernel for ``key`` on the current device (a module is loaded per device), compiling once."""
     key = (*key, torch.cuda.current_device())
     compiled = _compiled.get(key)

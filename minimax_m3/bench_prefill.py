@@ -20,6 +20,7 @@ import time
 import torch
 
 from . import MiniMaxM3Config, MiniMaxM3ForCausalLM
+from .sparse_attention import SPARSE_ATTENTION_FUNCTIONS
 
 
 def geometry_config(sparse_layers: int, *, tiny: bool, **overrides) -> MiniMaxM3Config:
@@ -197,7 +198,7 @@ def main(argv=None):
     parser.add_argument("--sparse-layers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--attention-only", action="store_true")
-    parser.add_argument("--sparse-attention", default="auto", choices=["auto", "reference", "flex"],
+    parser.add_argument("--sparse-attention", default="auto", choices=["auto", *SPARSE_ATTENTION_FUNCTIONS],
                         help="the sparse layers' attention function (config.sparse_attention_implementation)")
     parser.add_argument("--selection", default="model", choices=["model", "clustered"],
                         help="--attention-only: attend over the indexer's selections or clustered ones (see bench_attention)")

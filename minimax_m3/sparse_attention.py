@@ -14,6 +14,8 @@ import torch
 
 from indexer import BatchPrefillIndexerQ8KV8Wrapper
 
+from .sparse_attention_cute import cute_sparse_attention_supported, sparse_attention_cute
+
 __all__ = [
     "ForwardMetadata",
     "PageSelector",
@@ -21,6 +23,7 @@ __all__ = [
     "sparse_attention_reference",
     "SPARSE_ATTENTION_FUNCTIONS",
     "get_sparse_attention_function",
+    "resolve_auto_implementation",
     "to_index_dtype",
 ]
 
@@ -172,14 +175,28 @@ FLEX_MIN_PAGE_SIZE = 128
 
 
 def get_sparse_attention_function(name: str, device: Optional[torch.device] = None, page_size: int = 128) -> Callable:
-    """``"auto"``: FlexAttention on CUDA for pages of a multiple of 128 keys (compiled; its cost follows the
-    selection), the reference elsewhere. Both compute the same exact attention; only the speed differs."""
+    """A sparse attention function by name. ``"auto"`` dispatches per call: the SM90 CuTe kernel where it serves the
+    geometry (bf16, pages and heads of 128, an H100/H200), else FlexAttention on CUDA for pages of a multiple of 128
+    keys, else the reference. All compute the same exact attention; only the speed (and bf16 rounding) differs."""
     if name == "auto":
-        flex = device is not None and device.type == "cuda" and page_size % FLEX_MIN_PAGE_SIZE == 0
-        name = "flex" if flex else "reference"
+        return sparse_attention_auto
     if name not in SPARSE_ATTENTION_FUNCTIONS:
         raise ValueError(f"sparse_attention_implementation must be 'auto' or one of {sorted(SPARSE_ATTENTION_FUNCTIONS)}, got {name!r}")
     return SPARSE_ATTENTION_FUNCTIONS[name]
+
+
+def resolve_auto_implementation(q: torch.Tensor, keys: torch.Tensor, page_size: int) -> str:
+    """The implementation ``"auto"`` picks for these inputs."""
+    if cute_sparse_attention_supported(q, keys, page_size):
+        return "cute"
+    if q.device.type == "cuda" and page_size % FLEX_MIN_PAGE_SIZE == 0:
+        return "flex"
+    return "reference"
+
+
+def sparse_attention_auto(q, keys, values, selection, metadata: ForwardMetadata, *, scale: float, page_size: int):
+    implementation = resolve_auto_implementation(q, keys, page_size)
+    return SPARSE_ATTENTION_FUNCTIONS[implementation](q, keys, values, selection, metadata, scale=scale, page_size=page_size)
 
 
 def sparse_attention_flex(q, keys, values, selection, metadata: ForwardMetadata, *, scale: float,
@@ -293,3 +310,6 @@ def _flex_attention_callable(device: torch.device):
 
 
 SPARSE_ATTENTION_FUNCTIONS["flex"] = sparse_attention_flex
+
+
+SPARSE_ATTENTION_FUNCTIONS["cute"] = sparse_attention_cute

@@ -1,0 +1,27 @@
+"""Compile the model's CuTe DSL kernel (SM90 sparse attention) for sm_90a without a GPU:
+``python -m minimax_m3.compile_check``.
+
+Prints the wgmma kinds in its PTX (``bf16.bf16``) and, when ``ptxas`` is on PATH, registers and spills; exits
+non-zero on a compile failure, spills, serialised wgmmas or a setmaxnreg budget beyond the launch allocation.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from indexer.compile_check import run_compile_check
+
+
+def variants():
+    from .kernels.signatures import sparse_attention_fake_arguments
+    from .kernels.sparse_attention_sm90 import SparseAttentionSm90
+
+    yield ("sparse_attention_sm90_g16", SparseAttentionSm90(16), sparse_attention_fake_arguments(), "bf16.bf16")
+
+
+def main(argv=None) -> int:
+    return run_compile_check(variants(), __doc__.splitlines()[0], argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,375 @@
+"""Page-sparse prefill attention for SM90 (H100/H200), in CuTe DSL: each query token of a KV group attends to
+the keys of its own selected pages only.
+
+One CTA = one *query tile* (``tokens_per_tile`` consecutive packed tokens, 8 at M3's 16 query heads per KV
+group) of one KV group: its ``tokens x heads`` = 128 rows (row ``t * heads + h``) share every K/V page they
+load. The CTA walks the tile's **page union** (built on the host side: physical page id plus a bit set of the
+tile's tokens that selected it), so K/V traffic follows the selection, not the context.
+
+Warp roles: warpgroup 0 is the producer (its first warp loads the tile's Q once and each union page's K and V
+by TMA, addressed by physical page, into a multi-stage ring); warpgroups 1 and 2 are consumers, 64 rows
+(4 tokens) each. A consumer skips a page that none of its tokens selected; otherwise it computes
+``S = Q K^T`` (``wgmma.m64n128k16`` bf16, Q and K from shared memory), masks each row to its token's selection
+and causal bound, updates the online softmax in registers and accumulates ``O += P V`` (P from registers,
+V from shared memory, MN-major). The two consumer warpgroups interleave on the tensor cores. The epilogue
+normalises and stores bf16 rows of real tokens; rows of tokens past the end are never written.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+__all__ = ["SparseAttentionSm90", "UNION_PAGE_BITS", "UNION_TOKEN_SHIFT"]
+
+UNION_PAGE_BITS = 24
+"""A union entry is ``physical_page | token_bits << 24``: the page id in the low 24 bits, bit ``i`` of the
+high byte set when the tile's token ``i`` selected the page."""
+UNION_TOKEN_SHIFT = UNION_PAGE_BITS
+_PAGE_MASK = (1 << UNION_PAGE_BITS) - 1
+_LOG2_E = math.log2(math.e)
+
+
+class WarpRole(enum.IntEnum):
+    """Warpgroup indices inside the CTA."""
+
+    PRODUCER = 0
+    FIRST_CONSUMER = 1
+
+
+class SparseAttentionSm90:
+    """Static configuration; ``__call__`` is the traced host launcher, ``kernel`` the device code."""
+
+    page_size = 128
+    head_dim = 128
+    tile_rows = 128
+    threads_per_warpgroup = 128
+    consumer_warpgroups = 2
+
+    def __init__(self, heads_per_group: int, *, kv_stages: int = 2):
+        if heads_per_group <= 0 or self.tile_rows % heads_per_group or self.tile_rows // heads_per_group > 8:
+            raise ValueError(f"heads_per_group must divide 128 into at most 8 tokens, got {heads_per_group}")
+        if not 2 <= kv_stages <= 3:
+            raise ValueError(f"kv_stages must be 2 or 3, got {kv_stages}")
+        self.heads_per_group = heads_per_group
+        self.tokens_per_tile = self.tile_rows // heads_per_group
+        self.tokens_per_warpgroup = max(1, 64 // heads_per_group)
+        self.kv_stages = kv_stages
+        self.dtype = cutlass.BFloat16
+        self.threads_per_cta = (1 + self.consumer_warpgroups) * self.threads_per_warpgroup
+        # setmaxnreg redistributes the launch allocation (ptxas count x 384 threads); the compile check verifies it
+        self.producer_registers, self.consumer_registers = 24, 240
+        self.page_bytes = self.page_size * self.head_dim * 2
+
+    def _smem_layout(self, rows: int, stages):
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.dtype, self.head_dim), self.dtype
+        )
+        shape = (rows, self.head_dim) if stages is None else (rows, self.head_dim, stages)
+        order = (0, 1) if stages is None else (0, 1, 2)
+        return cute.tile_to_shape(atom, shape, order=order)
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (T, num_heads, 128) bf16, contiguous
+        mK: cute.Tensor,  # (slots, num_kv_heads, 128) bf16: the cache [batch * capacity, kv heads, dim]
+        mV: cute.Tensor,  # like mK
+        mO: cute.Tensor,  # like mQ
+        mUnion: cute.Tensor,  # (tiles, num_kv_heads, width) int32 union entries
+        mUnionCount: cute.Tensor,  # (tiles, num_kv_heads) int32
+        mOwnSlot: cute.Tensor,  # (T,) int32: the token's own cache slot (physical page * 128 + position % 128)
+        softmax_scale: cutlass.Float32,
+        stream,
+    ):
+        num_tokens = mQ.shape[0]
+        num_kv_heads = mK.shape[1]
+        num_heads = mQ.shape[1]
+        # Rows (token, head of the group) of KV group g: a hierarchical mode ((heads, tokens), dim, group).
+        q_layout = cute.make_layout(
+            ((self.heads_per_group, num_tokens), self.head_dim, num_kv_heads),
+            stride=((self.head_dim, num_heads * self.head_dim), 1, self.heads_per_group * self.head_dim),
+        )
+        mQ_rows = cute.make_tensor(mQ.iterator, q_layout)
+        kv_layout = cute.make_layout(
+            (mK.shape[0], self.head_dim, num_kv_heads), stride=(num_kv_heads * self.head_dim, 1, self.head_dim)
+        )
+        mK_pages = cute.make_tensor(mK.iterator, kv_layout)
+        mV_pages = cute.make_tensor(mV.iterator, kv_layout)
+
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, cutlass.Float32,
+            (self.consumer_warpgroups, 1, 1), tiler_mn=(64, self.page_size),
+        )
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, cutlass.Float32,
+            (self.consumer_warpgroups, 1, 1), tiler_mn=(64, self.head_dim), a_source=warpgroup.OperandSource.RMEM,
+        )
+        sQ_layout = self._smem_layout(self.tile_rows, None)
+        sKV_layout = self._smem_layout(self.page_size, self.kv_stages)
+        tma_atom_q, mQ_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mQ_rows, sQ_layout, (self.tile_rows, self.head_dim)
+        )
+        kv_stage_layout = cute.slice_(sKV_layout, (None, None, 0))
+        tma_atom_k, mK_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mK_pages, kv_stage_layout, (self.page_size, self.head_dim)
+        )
+        tma_atom_v, mV_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mV_pages, kv_stage_layout, (self.page_size, self.head_dim)
+        )
+
+        @cute.struct
+        class SharedStorage:
+            q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            kv_barriers: cute.struct.MemRange[cutlass.Int64, self.kv_stages * 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        num_tiles = mUnion.shape[0]
+        self.kernel(
+            tma_atom_q, mQ_tma, tma_atom_k, mK_tma, tma_atom_v, mV_tma, mO, mUnion, mUnionCount, mOwnSlot,
+            softmax_scale * _LOG2_E, tiled_mma_qk, tiled_mma_pv, sQ_layout, sKV_layout,
+        ).launch(
+            grid=(num_tiles, num_kv_heads, 1),
+            block=(self.threads_per_cta, 1, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_atom_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_atom_v: cute.CopyAtom,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mUnion: cute.Tensor,
+        mUnionCount: cute.Tensor,
+        mOwnSlot: cute.Tensor,
+        scale_log2: cutlass.Float32,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warpgroup_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
+        tile, group, _ = cute.arch.block_idx()
+
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom_q)
+            cpasync.prefetch_descriptor(tma_atom_k)
+            cpasync.prefetch_descriptor(tma_atom_v)
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        q_pipeline = self._tma_pipeline(storage.q_barriers.data_ptr(), 1, self.tile_rows * self.head_dim * 2)
+        kv_pipeline = self._tma_pipeline(storage.kv_barriers.data_ptr(), self.kv_stages, 2 * self.page_bytes)
+        pipeline.pipeline_init_arrive()
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        pipeline.pipeline_init_wait()
+
+        page_count = mUnionCount[tile, group]
+        if warpgroup_idx == WarpRole.PRODUCER:
+            cute.arch.warpgroup_reg_dealloc(self.producer_registers)
+            if warp_idx == 0:
+                self.load(tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV, mUnion,
+                          q_pipeline, kv_pipeline, tile, group, page_count)
+        else:
+            cute.arch.warpgroup_reg_alloc(self.consumer_registers)
+            self.attend(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, mO, mUnion, mOwnSlot, scale_log2,
+                        q_pipeline, kv_pipeline, tidx - self.threads_per_warpgroup, tile, group, page_count)
+
+    def _tma_pipeline(self, barriers, stages: int, stage_bytes: int):
+        """A TMA-filled ring: one producer thread arms each stage, every consumer warp releases it."""
+        consumer_warps = self.consumer_warpgroups * self.threads_per_warpgroup // 32
+        return pipeline.PipelineTmaAsync.create(
+            barrier_storage=barriers,
+            num_stages=stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+            tx_count=stage_bytes,
+            defer_sync=True,
+        )
+
+    @cute.jit
+    def load(self, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV, mUnion,
+             q_pipeline, kv_pipeline, tile, group, page_count):
+        gQ = cute.local_tile(mQ[None, None, group], (self.tile_rows, self.head_dim), (tile, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        q_pipeline.producer_acquire(q_state)
+        cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=q_pipeline.producer_get_barrier(q_state))
+
+        gK = cute.local_tile(mK[None, None, group], (self.page_size, self.head_dim), (None, 0))  # (128, 128, pages)
+        gV = cute.local_tile(mV[None, None, group], (self.page_size, self.head_dim), (None, 0))
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        physical_page = mUnion[tile, group, 0] & _PAGE_MASK
+        for index in cutlass.range(page_count, unroll=1):
+            # the next entry's load hides behind this page's TMA
+            next_physical_page = mUnion[tile, group, cutlass.min(index + 1, page_count - 1)] & _PAGE_MASK
+            kv_pipeline.producer_acquire(kv_state)
+            barrier = kv_pipeline.producer_get_barrier(kv_state)
+            cute.copy(tma_atom_k, tKgK[(None, physical_page)], tKsK[(None, kv_state.index)], tma_bar_ptr=barrier)
+            cute.copy(tma_atom_v, tVgV[(None, physical_page)], tVsV[(None, kv_state.index)], tma_bar_ptr=barrier)
+            kv_state.advance()
+            physical_page = next_physical_page
+        kv_pipeline.producer_tail(kv_state)
+
+    @cute.jit
+    def attend(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, mO, mUnion, mOwnSlot, scale_log2,
+               q_pipeline, kv_pipeline, consumer_tidx, tile, group, page_count):
+        thr_mma_qk = tiled_mma_qk.get_slice(consumer_tidx)
+        thr_mma_pv = tiled_mma_pv.get_slice(consumer_tidx)
+        tSrQ = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))
+        tSrK = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))
+        # V as the (dim, keys) B operand: the same smem, MN-major
+        sVt = cute.composition(sV, cute.make_ordered_layout((self.head_dim, self.page_size, self.kv_stages), order=(1, 0, 2)))
+        tOrVt = tiled_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt))
+        tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_rows, self.page_size)))
+        tOcO = thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_rows, self.head_dim)))
+        acc_O = cute.make_rmem_tensor(tOcO.shape, cutlass.Float32)
+        acc_O.fill(0.0)
+        tOrP = tiled_mma_pv.make_fragment_A(thr_mma_pv.partition_shape_A((self.tile_rows, self.page_size)))
+
+        num_tokens = mOwnSlot.shape[0]
+        lane_column = 2 * (consumer_tidx % 4)
+        token_begin = tile * self.tokens_per_tile
+        # this thread's two accumulator rows (SM90 m64nN layout: value v = pair + 2 * half + 4 * column_group)
+        rows = (tScS[0][0], tScS[2][0])
+        local_tokens = (rows[0] // self.heads_per_group, rows[1] // self.heads_per_group)
+        own_slots = (
+            mOwnSlot[cutlass.min(token_begin + local_tokens[0], num_tokens - 1)],
+            mOwnSlot[cutlass.min(token_begin + local_tokens[1], num_tokens - 1)],
+        )
+        warpgroup_tokens = ((1 << self.tokens_per_warpgroup) - 1) << (
+            (consumer_tidx // self.threads_per_warpgroup) * self.tokens_per_warpgroup
+        )
+        max_first, max_second = -cutlass.Float32.inf, -cutlass.Float32.inf
+        sum_first, sum_second = cutlass.Float32(0.0), cutlass.Float32(0.0)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_pipeline.consumer_wait(q_state)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        for index in cutlass.range(page_count, unroll=1):
+            entry = mUnion[tile, group, index]
+            token_bits = (entry >> UNION_TOKEN_SHIFT) & 0xFF
+            physical_page = entry & _PAGE_MASK
+            kv_pipeline.consumer_wait(kv_state)
+            if token_bits & warpgroup_tokens:
+                acc_S = cute.make_rmem_tensor(tScS.shape, cutlass.Float32)
+                warpgroup.fence()
+                mma_qk = cute.make_mma_atom(tiled_mma_qk.op)
+                for k_block in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                    mma_qk.set(warpgroup.Field.ACCUMULATE, k_block != 0)
+                    cute.gemm(mma_qk, acc_S, tSrQ[(None, None, k_block)], tSrK[(None, None, k_block, kv_state.index)], acc_S)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+
+                first_limit = self._visible_limit(token_bits, local_tokens[0], own_slots[0], physical_page)
+                second_limit = self._visible_limit(token_bits, local_tokens[1], own_slots[1], physical_page)
+                max_first, sum_first = self._online_softmax(
+                    acc_S, acc_O, 0, first_limit, lane_column, max_first, sum_first, scale_log2
+                )
+                max_second, sum_second = self._online_softmax(
+                    acc_S, acc_O, 1, second_limit, lane_column, max_second, sum_second, scale_log2
+                )
+                for i in cutlass.range_constexpr(cute.size(tOrP)):
+                    tOrP[i] = acc_S[i].to(self.dtype)
+                warpgroup.fence()
+                mma_pv = cute.make_mma_atom(tiled_mma_pv.op)
+                mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+                for k_block in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                    cute.gemm(mma_pv, acc_O, tOrP[(None, None, k_block)], tOrVt[(None, None, k_block, kv_state.index)], acc_O)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+            kv_pipeline.consumer_release(kv_state)
+            kv_state.advance()
+        q_pipeline.consumer_release(q_state)
+        self._store(acc_O, (sum_first, sum_second), tOcO, mO, token_begin, group, num_tokens, lane_column)
+
+    @cute.jit
+    def _visible_limit(self, token_bits, local_token, own_slot, physical_page):
+        """The last key of the page a row's token may see: -1 (page not selected), its own position (its own
+        page: causal), or the page's last key."""
+        limit = cutlass.Int32(-1)
+        if (token_bits >> local_token) & 1:
+            limit = cutlass.Int32(self.page_size - 1)
+            if (own_slot >> 7) == physical_page:
+                limit = own_slot & (self.page_size - 1)
+        return limit
+
+    @cute.jit
+    def _online_softmax(self, acc_S, acc_O, half: cutlass.Constexpr, limit, lane_column, running_max, running_sum,
+                        scale_log2):
+        """Mask one accumulator row to keys ``<= limit``, fold it into the row's running max/sum, rescale O,
+        and leave the row's probabilities (unnormalised) in ``acc_S``."""
+        column_groups = cute.size(acc_S) // 4
+        page_max = -cutlass.Float32.inf
+        for group in cutlass.range_constexpr(column_groups):
+            for pair in cutlass.range_constexpr(2):
+                v = pair + 2 * half + 4 * group
+                if 8 * group + lane_column + pair > limit:
+                    acc_S[v] = -cutlass.Float32.inf
+                page_max = cute.arch.fmax(page_max, acc_S[v])
+        page_max = cute.arch.fmax(page_max, cute.arch.shuffle_sync_bfly(page_max, offset=1))
+        page_max = cute.arch.fmax(page_max, cute.arch.shuffle_sync_bfly(page_max, offset=2))
+        new_max = cute.arch.fmax(running_max, page_max * scale_log2)
+        # a row with nothing visible so far keeps max -inf; subtract 0 instead so exp2 gives exact zeros
+        offset = new_max
+        if new_max == -cutlass.Float32.inf:
+            offset = cutlass.Float32(0.0)
+        correction = cute.math.exp2(running_max - offset, fastmath=True)
+        page_sum = cutlass.Float32(0.0)
+        for group in cutlass.range_constexpr(column_groups):
+            for pair in cutlass.range_constexpr(2):
+                v = pair + 2 * half + 4 * group
+                probability = cute.math.exp2(acc_S[v] * scale_log2 - offset, fastmath=True)
+                acc_S[v] = probability
+                page_sum = page_sum + probability
+        for group in cutlass.range_constexpr(cute.size(acc_O) // 4):
+            for pair in cutlass.range_constexpr(2):
+                v = pair + 2 * half + 4 * group
+                acc_O[v] = acc_O[v] * correction
+        return new_max, running_sum * correction + page_sum
+
+    @cute.jit
+    def _store(self, acc_O, row_sum, tOcO, mO, token_begin, group, num_tokens, lane_column):
+        """Normalise and write this thread's two rows (tokens past the end are skipped)."""
+        for half in cutlass.range_constexpr(2):
+            total = row_sum[half]
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+            inverse = cutlass.Float32(0.0)
+            if total > 0.0:
+                inverse = 1.0 / total
+            row = tOcO[2 * half][0]
+            token = token_begin + row // self.heads_per_group
+            head = group * self.heads_per_group + row % self.heads_per_group
+            if token < num_tokens:
+                for column_group in cutlass.range_constexpr(cute.size(acc_O) // 4):
+                    for pair in cutlass.range_constexpr(2):
+                        v = pair + 2 * half + 4 * column_group
+                        mO[token, head, 8 * column_group + lane_column + pair] = (acc_O[v] * inverse).to(self.dtype)

@@ -1,0 +1,112 @@
+"""Host side of the SM90 sparse-attention kernel (``minimax_m3/kernels/sparse_attention_sm90.py``): page unions per
+query tile, validation, compile cache and launch. Registered as the ``"cute"`` sparse attention function.
+
+The kernel reads K/V straight from the positional cache ``[batch, capacity, kv_heads, dim]`` (physical page ``p`` of
+sequence ``b`` is cache rows ``(b * capacity + 128 p) ...``), so nothing is gathered or copied per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from indexer.cute_backend import as_cute_tensor, compile_once, cute_stream, dsl_available, dsl_version
+
+__all__ = ["cute_sparse_attention_supported", "page_unions", "own_cache_slots", "sparse_attention_cute"]
+
+_PAGE_SIZE = 128
+_HEAD_DIM = 128
+_TILE_ROWS = 128
+_UNION_PAGE_LIMIT = 1 << 24
+
+
+def cute_sparse_attention_supported(q: torch.Tensor, keys: torch.Tensor, page_size: int) -> bool:
+    """Whether the SM90 kernel serves this geometry: bf16 on an SM90 GPU, pages of 128 keys, head dim 128 and a
+    query-heads-per-KV-group count that packs whole tokens into 128-row tiles (M3: 16)."""
+    if not (q.is_cuda and q.dtype == torch.bfloat16 and keys.dtype == torch.bfloat16 and dsl_available()):
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    group = q.shape[1] // keys.shape[2]
+    return (page_size == _PAGE_SIZE and q.shape[2] == _HEAD_DIM and q.shape[1] % keys.shape[2] == 0
+            and _TILE_ROWS % group == 0 and _TILE_ROWS // group <= 8)
+
+
+def own_cache_slots(batch_index: torch.Tensor, positions: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``[T]`` int32: each packed token's row in the flattened cache ``[batch * capacity]`` (its causal bound)."""
+    return (batch_index.to(torch.int64) * capacity + positions.to(torch.int64)).to(torch.int32)
+
+
+def page_unions(selection: torch.Tensor, batch_index: torch.Tensor, pages_per_sequence: int, tokens_per_tile: int):
+    """The distinct physical pages each query tile of each KV group reads, and which of its tokens read them.
+
+    ``selection`` is ``[T, G, topk]`` logical page ids (``-1`` = none). Returns ``union [tiles, G, tokens_per_tile
+    * topk]`` int32 entries ``physical_page | token_bits << 24`` (ascending pages first; the rest is padding) and
+    ``count [tiles, G]`` int32.
+    """
+    count_tokens, num_groups, topk = selection.shape
+    tiles = -(-count_tokens // tokens_per_tile)
+    device = selection.device
+    physical = torch.where(selection >= 0, batch_index.to(torch.int64)[:, None, None] * pages_per_sequence + selection, -1)
+    padded = torch.full((tiles * tokens_per_tile, num_groups, topk), -1, dtype=torch.int64, device=device)
+    padded[:count_tokens] = physical
+    candidates = padded.view(tiles, tokens_per_tile, num_groups, topk).permute(0, 2, 1, 3).reshape(tiles, num_groups, -1)
+    token_of_candidate = torch.arange(tokens_per_tile, device=device).repeat_interleave(topk)
+    absent = torch.iinfo(torch.int64).max
+    keys, _ = torch.sort(torch.where(candidates >= 0, candidates * 8 + token_of_candidate, absent), dim=-1)
+    valid = keys != absent
+    pages = torch.where(valid, keys // 8, -1)
+    first = valid & torch.cat([torch.ones_like(valid[..., :1]), pages[..., 1:] != pages[..., :-1]], dim=-1)
+    run = (torch.cumsum(first.to(torch.int64), dim=-1) - 1).clamp(min=0)
+    # a token selects a page at most once, so the bits of one run are distinct and their sum is their OR
+    bits = torch.zeros_like(keys).scatter_add_(-1, run, torch.where(valid, 1 << (keys % 8), 0))
+    distinct = torch.sort(torch.where(first, pages, absent), dim=-1).values
+    entries = torch.where(distinct != absent, distinct | (bits << 24), 0)
+    entries = torch.where(entries >= 2**31, entries - 2**32, entries).to(torch.int32)
+    return entries.contiguous(), first.sum(-1).to(torch.int32).contiguous()
+
+
+def sparse_attention_cute(q, keys, values, selection, metadata, *, scale: float, page_size: int,
+                          out: torch.Tensor = None) -> torch.Tensor:
+    """The same attention as ``sparse_attention_reference``, by the SM90 kernel (bf16, fp32 softmax)."""
+    if not cute_sparse_attention_supported(q, keys, page_size):
+        raise ValueError(
+            "sparse_attention_implementation='cute' needs bf16 q/k/v on an SM90 GPU with nvidia-cutlass-dsl, pages of "
+            f"128 keys, head_dim 128 and at most 8 tokens per 128 rows; got q {tuple(q.shape)} {q.dtype} on {q.device}, "
+            f"keys {tuple(keys.shape)}, page_size {page_size}"
+        )
+    batch, capacity, num_kv_heads, head_dim = keys.shape
+    if values.shape != keys.shape or not keys.is_contiguous() or not values.is_contiguous():
+        raise ValueError(f"keys and values must be contiguous caches of one shape, got {tuple(keys.shape)} and {tuple(values.shape)}")
+    pages_per_sequence = capacity // page_size
+    if capacity % page_size or batch * capacity >= 2**31 or batch * pages_per_sequence >= _UNION_PAGE_LIMIT:
+        raise ValueError(f"the cache [{batch}, {capacity}] must hold whole pages, fewer than 2^31 slots and 2^24 pages")
+    if out is None:
+        out = torch.empty_like(q)
+    if q.shape[0] == 0:
+        return out
+    group = q.shape[1] // num_kv_heads
+    tokens_per_tile = _TILE_ROWS // group
+    union, count = page_unions(selection, metadata.batch_index, pages_per_sequence, tokens_per_tile)
+    own_slots = own_cache_slots(metadata.batch_index, metadata.positions, capacity)
+    q = q.contiguous()
+    with torch.cuda.device(q.device):
+        arguments = (
+            as_cute_tensor(q, leading_dim=2, align=16),
+            as_cute_tensor(keys.view(batch * capacity, num_kv_heads, head_dim), leading_dim=2, align=16),
+            as_cute_tensor(values.view(batch * capacity, num_kv_heads, head_dim), leading_dim=2, align=16),
+            as_cute_tensor(out, leading_dim=2, align=16),
+            as_cute_tensor(union, leading_dim=2, align=4),
+            as_cute_tensor(count, leading_dim=1, align=4),
+            as_cute_tensor(own_slots, leading_dim=0, align=4),
+        )
+        stream = cute_stream()
+        kernel = compile_once(("sparse_attention_sm90", group, dsl_version()),
+                              lambda: _kernel_class()(group), (*arguments, scale, stream))
+        kernel(*arguments, scale, stream)
+    return out
+
+
+def _kernel_class():
+    from .kernels.sparse_attention_sm90 import SparseAttentionSm90
+
+    return SparseAttentionSm90

@@ -1,0 +1,84 @@
+"""The SM90 CuTe sparse-attention kernel against the exact reference (run on the H200)."""
+
+import pytest
+import torch
+
+from minimax_m3.bench_prefill import clustered_selection
+from minimax_m3.sparse_attention import ForwardMetadata, resolve_auto_implementation, sparse_attention_reference
+from minimax_m3.sparse_attention_cute import sparse_attention_cute
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9), reason="needs SM90"),
+]
+
+PAGE, TOPK, HEADS, KV_HEADS, DIM = 128, 16, 64, 4, 128
+
+
+def _contract_selection(positions, num_groups, generator):
+    """Per (token, group): the local page plus up to 15 distinct random history pages, -1 padded (the contract's
+    shape, with tokens of few pages selecting all of them)."""
+    rows = []
+    for position in positions.tolist():
+        local = position // PAGE
+        per_group = []
+        for _ in range(num_groups):
+            history = torch.randperm(local, generator=generator)[: TOPK - 1].tolist() if local else []
+            pages = history + [local]
+            per_group.append(pages + [-1] * (TOPK - len(pages)))
+        rows.append(per_group)
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def _batch(query_lengths, kv_lengths, generator, capacity):
+    batch_index, positions, starts = [], [], []
+    for sequence, (count, kv_length) in enumerate(zip(query_lengths, kv_lengths)):
+        starts.append(len(positions))
+        positions += range(kv_length - count, kv_length)
+        batch_index += [sequence] * count
+    metadata = ForwardMetadata(torch.tensor(batch_index).cuda(), torch.tensor(positions).cuda(), list(query_lengths),
+                               list(kv_lengths), starts)
+    total = len(positions)
+    q = (torch.randn(total, HEADS, DIM, generator=generator) * 2).to(torch.bfloat16).cuda()
+    keys = torch.randn(len(query_lengths), capacity, KV_HEADS, DIM, generator=generator).to(torch.bfloat16).cuda()
+    values = torch.randn(len(query_lengths), capacity, KV_HEADS, DIM, generator=generator).to(torch.bfloat16).cuda()
+    return q, keys, values, metadata
+
+
+def _check(q, keys, values, selection, metadata):
+    scale = DIM ** -0.5
+    poisoned = torch.full_like(q, float("nan"))
+    got = sparse_attention_cute(q, keys, values, selection, metadata, scale=scale, page_size=PAGE, out=poisoned)
+    expected = sparse_attention_reference(q, keys, values, selection, metadata, scale=scale, page_size=PAGE)
+    assert torch.isfinite(got).all(), "rows left unwritten or non-finite"
+    error = (got.float() - expected.float()).abs().max().item()
+    assert error <= 2e-2, f"max |cute - reference| = {error}"
+    return error
+
+
+def test_varlen_batch_with_cached_prefixes_matches_the_reference():
+    """Three sequences: a fresh prefill, a chunk over a cached prefix, a short chunk deep in a context (query
+    tiles span sequence boundaries; token counts are not multiples of the 8-token tile)."""
+    generator = torch.Generator().manual_seed(0)
+    query_lengths, kv_lengths = [1003, 301, 37], [1003, 2600, 5000]
+    q, keys, values, metadata = _batch(query_lengths, kv_lengths, generator, capacity=5120)
+    selection = _contract_selection(metadata.positions.cpu(), KV_HEADS, generator).cuda()
+    _check(q, keys, values, selection, metadata)
+
+
+def test_clustered_selection_matches_the_reference():
+    generator = torch.Generator().manual_seed(1)
+    q, keys, values, metadata = _batch([4096], [4096], generator, capacity=4096)
+    selection = clustered_selection(4096, KV_HEADS, TOPK, PAGE, "cuda")
+    _check(q, keys, values, selection, metadata)
+
+
+def test_repeat_runs_are_bitwise_identical_and_auto_picks_the_kernel():
+    generator = torch.Generator().manual_seed(2)
+    q, keys, values, metadata = _batch([517], [3000], generator, capacity=3072)
+    selection = _contract_selection(metadata.positions.cpu(), KV_HEADS, generator).cuda()
+    first = sparse_attention_cute(q, keys, values, selection, metadata, scale=DIM ** -0.5, page_size=PAGE)
+    second = sparse_attention_cute(q, keys, values, selection, metadata, scale=DIM ** -0.5, page_size=PAGE)
+    assert torch.equal(first, second)
+    assert resolve_auto_implementation(q, keys, PAGE) == "cute"
+    assert resolve_auto_implementation(q.float(), keys.float(), PAGE) == "flex"
