@@ -145,29 +145,61 @@ def clustered_selection(length: int, num_groups: int, topk: int, page_size: int,
     return selection.to(torch.int32).contiguous()
 
 
+class _ComponentTimer:
+    """Wraps callables so each call is bracketed by CUDA events; ``milliseconds()`` sums one pass's calls."""
+
+    def __init__(self):
+        self.pairs = []
+
+    def wrap(self, fn):
+        def timed(*args, **kwargs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = fn(*args, **kwargs)
+            end.record()
+            self.pairs.append((start, end))
+            return result
+
+        return timed
+
+    def milliseconds(self) -> float:
+        torch.cuda.synchronize()
+        total = sum(start.elapsed_time(end) for start, end in self.pairs)
+        self.pairs.clear()
+        return total
+
+
 def bench_attention(config, length, device, dtype, repeats, selection: str = "model"):
     """One sparse layer's attention (indexer scores + top-k + sparse attention) vs the same layer dense.
+
+    Reports the whole attention block (projections, norms and RoPE included: the same work in both modes) and, on
+    CUDA, its *core*: in sparse mode the page selection (indexer plan, scores, top-k) plus the sparse attention
+    function; in dense mode the dense attention function -- the issue's "indexer scores + top-k + sparse attention,
+    together" against "the dense attention of the same layer".
 
     ``selection="clustered"``: the indexer still runs (and is timed), but the attention uses
     ``clustered_selection`` instead of its output: a random-weight model selects nearly independent pages per
     token, while a trained model's neighbouring tokens share most pages, which is what block-sparse attention
     exploits."""
+    from . import modeling_minimax_m3
     from .cache import MiniMaxM3Cache
 
-    results = {}
+    results, cores = {}, {}
     for mode in ("sparse", "dense"):
         model = build(mode, config, device, dtype)
+        selector = model.model.page_selector
+        timer = _ComponentTimer()
+        real_select = selector.select
+        fixed = None
         if mode == "sparse" and selection == "clustered":
             fixed = clustered_selection(length, config.num_key_value_heads, config.index_topk_blocks,
                                         config.index_block_size, device)
-            selector = model.model.page_selector
-            real_select = selector.select
 
-            def select(*args, **kwargs):
-                real_select(*args, **kwargs)
-                return fixed
+        def select(*args, **kwargs):
+            chosen = real_select(*args, **kwargs)
+            return chosen if fixed is None else fixed
 
-            selector.select = select
+        selector.select = timer.wrap(select) if device.type == "cuda" else select
         layer = model.model.layers[1]
         hidden = torch.randn(1, length, config.hidden_size, device=device, dtype=dtype)
 
@@ -180,15 +212,29 @@ def bench_attention(config, length, device, dtype, repeats, selection: str = "mo
                 cos, sin = model.model.rotary_emb(metadata.positions)
                 layer.self_attn(layer.input_layernorm(hidden[0]), cos, sin, cache, metadata, model.model.page_selector)
 
+        originals = (modeling_minimax_m3.dense_attention, modeling_minimax_m3.get_sparse_attention_function)
+        if device.type == "cuda":
+            modeling_minimax_m3.dense_attention = timer.wrap(originals[0])
+            modeling_minimax_m3.get_sparse_attention_function = lambda *a, **k: timer.wrap(originals[1](*a, **k))
         try:
             results[mode], _ = measure(attention, device, repeats)
+            if device.type == "cuda":
+                timer.pairs.clear()
+                attention()
+                cores[mode] = timer.milliseconds() / 1e3
         except torch.OutOfMemoryError:
             results[mode] = float("nan")
+        finally:
+            modeling_minimax_m3.dense_attention, modeling_minimax_m3.get_sparse_attention_function = originals
         model = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return dict(length=length, selection=selection, sparse_attention_seconds=results["sparse"],
-                dense_attention_seconds=results["dense"], speedup=results["dense"] / results["sparse"])
+    result = dict(length=length, selection=selection, sparse_attention_seconds=results["sparse"],
+                  dense_attention_seconds=results["dense"], speedup=results["dense"] / results["sparse"])
+    if cores:
+        result.update(sparse_core_seconds=cores.get("sparse", float("nan")), dense_core_seconds=cores.get("dense", float("nan")),
+                      core_speedup=cores.get("dense", float("nan")) / cores.get("sparse", float("nan")))
+    return result
 
 
 def main(argv=None):
@@ -223,11 +269,18 @@ def main(argv=None):
     if args.output:
         with open(args.output, "w") as handle:
             json.dump(results, handle, indent=1)
-    print("\n| length | mode | ms | tokens/s | peak GiB |" if not args.attention_only else "\n| length | selection | sparse attention ms | dense attention ms | speed-up |")
-    print("|---|---|---|---|---|")
+    if args.attention_only:
+        print("\n| length | selection | sparse block ms | dense block ms | block speed-up | sparse core ms | dense core ms | core speed-up |")
+        print("|---|---|---|---|---|---|---|---|")
+    else:
+        print("\n| length | mode | ms | tokens/s | peak GiB |")
+        print("|---|---|---|---|---|")
     for r in results:
         if args.attention_only:
-            print(f"| {r['length']} | {r['selection']} | {r['sparse_attention_seconds'] * 1e3:.1f} | {r['dense_attention_seconds'] * 1e3:.1f} | {r['speedup']:.1f}x |")
+            core = (f"{r['sparse_core_seconds'] * 1e3:.1f} | {r['dense_core_seconds'] * 1e3:.1f} | {r['core_speedup']:.1f}x"
+                    if "core_speedup" in r else "- | - | -")
+            print(f"| {r['length']} | {r['selection']} | {r['sparse_attention_seconds'] * 1e3:.1f} | "
+                  f"{r['dense_attention_seconds'] * 1e3:.1f} | {r['speedup']:.1f}x | {core} |")
         elif r.get("oom"):
             print(f"| {r['length']} | {r['mode']} | OOM | - | - |")
         elif r.get("skipped"):

@@ -75,3 +75,36 @@ def test_two_gpus_give_the_logits_of_one(tmp_path):
     torch.testing.assert_close(got.logits.to("cuda:0"), expected.logits, atol=1e-5, rtol=1e-5)
     for a, b in zip(got.page_selections, expected.page_selections):
         assert torch.equal(a.to("cuda:0")[mask.bool().cuda()], b[mask.bool().cuda()])
+
+
+def test_compiled_norm_and_rope_matches_eager():
+    from minimax_m3.modeling_minimax_m3 import MiniMaxM3RMSNorm, apply_partial_rope, norm_and_rope
+
+    norm = MiniMaxM3RMSNorm(128, 1e-6).cuda()
+    with torch.no_grad():
+        norm.weight.normal_(std=0.1)
+        x = torch.randn(3001, 16, 128, device="cuda", dtype=torch.bfloat16)
+        angles = torch.rand(3001, 32, device="cuda") * 100
+        cos, sin = angles.cos(), angles.sin()
+        fused = norm_and_rope(norm, x, cos, sin)
+        eager = apply_partial_rope(norm(x), cos, sin)
+    assert fused.dtype == eager.dtype == torch.bfloat16
+    # the same math; the fused reduction may round one bf16 ulp differently
+    torch.testing.assert_close(fused, eager, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9), reason="needs SM90")
+def test_bf16_model_on_the_sm90_attention_kernel_matches_the_reference():
+    """M3's attention geometry per KV group (16 query heads of 128, pages of 128, top-16) in bf16: the model's
+    'auto' attention (the CuTe kernel) against the exact reference, 2,600 tokens (pages really dropped)."""
+    geometry = dict(M3_INDEX_GEOMETRY, hidden_size=256, num_attention_heads=32, num_key_value_heads=2)
+    cute = tiny_model(**geometry).to(device="cuda", dtype=torch.bfloat16)
+    reference = tiny_model(sparse_attention_implementation="reference", **geometry).to(device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(3, 97, (1, 2600), device="cuda")
+    with torch.no_grad():
+        got = cute(ids, output_page_selections=True)
+        expected = reference(ids, output_page_selections=True)
+    assert torch.equal(got.page_selections[0], expected.page_selections[0])  # layer 0 is dense: same inputs
+    scale = expected.logits.float().abs().max().item()
+    error = (got.logits.float() - expected.logits.float()).abs().max().item()
+    assert error <= 2e-2 * scale, f"max |dlogit| {error} vs logit scale {scale}"
