@@ -94,17 +94,22 @@ def test_compiled_norm_and_rope_matches_eager():
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9), reason="needs SM90")
-def test_bf16_model_on_the_sm90_attention_kernel_matches_the_reference():
-    """M3's attention geometry per KV group (16 query heads of 128, pages of 128, top-16) in bf16: the model's
-    'auto' attention (the CuTe kernel) against the exact reference, 2,600 tokens (pages really dropped)."""
+def test_bf16_model_on_the_sm90_attention_kernel_is_as_close_to_fp32_as_the_bf16_reference():
+    """M3's attention geometry per KV group (16 query heads of 128, pages of 128, top-16), 2,600 tokens (pages really
+    dropped). In bf16 the model's 'auto' attention (the CuTe kernel) must be as close to the fp32 model as the bf16
+    model with the exact reference attention is (random MoE routing amplifies any bf16 rounding, so the bound is
+    relative to that noise, not absolute)."""
     geometry = dict(M3_INDEX_GEOMETRY, hidden_size=256, num_attention_heads=32, num_key_value_heads=2)
+    fp32 = tiny_model(sparse_attention_implementation="reference", **geometry).cuda()
     cute = tiny_model(**geometry).to(device="cuda", dtype=torch.bfloat16)
     reference = tiny_model(sparse_attention_implementation="reference", **geometry).to(device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(3, 97, (1, 2600), device="cuda")
     with torch.no_grad():
+        truth = fp32(ids).logits.float()
         got = cute(ids, output_page_selections=True)
         expected = reference(ids, output_page_selections=True)
     assert torch.equal(got.page_selections[0], expected.page_selections[0])  # layer 0 is dense: same inputs
-    scale = expected.logits.float().abs().max().item()
-    error = (got.logits.float() - expected.logits.float()).abs().max().item()
-    assert error <= 2e-2 * scale, f"max |dlogit| {error} vs logit scale {scale}"
+    cute_error = (got.logits.float() - truth).abs()
+    reference_error = (expected.logits.float() - truth).abs()
+    assert cute_error.mean() <= 1.5 * reference_error.mean() + 1e-3, (cute_error.mean(), reference_error.mean())
+    assert cute_error.max() <= 2 * reference_error.max() + 1e-2, (cute_error.max(), reference_error.max())
