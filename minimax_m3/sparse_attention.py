@@ -185,9 +185,12 @@ def get_sparse_attention_function(name: str, device: Optional[torch.device] = No
     return SPARSE_ATTENTION_FUNCTIONS[name]
 
 
-def resolve_auto_implementation(q: torch.Tensor, keys: torch.Tensor, page_size: int) -> str:
-    """The implementation ``"auto"`` picks for these inputs."""
-    if cute_sparse_attention_supported(q, keys, page_size):
+def resolve_auto_implementation(q: torch.Tensor, keys: torch.Tensor, page_size: int, values: torch.Tensor = None) -> str:
+    """The implementation ``"auto"`` picks for these inputs (the CuTe kernel has no backward: under autograd
+    FlexAttention serves CUDA)."""
+    values = keys if values is None else values
+    needs_gradients = torch.is_grad_enabled() and any(t.requires_grad for t in (q, keys, values))
+    if cute_sparse_attention_supported(q, keys, page_size) and not needs_gradients:  # forward-only kernel
         return "cute"
     if q.device.type == "cuda" and page_size % FLEX_MIN_PAGE_SIZE == 0:
         return "flex"
@@ -195,7 +198,7 @@ def resolve_auto_implementation(q: torch.Tensor, keys: torch.Tensor, page_size: 
 
 
 def sparse_attention_auto(q, keys, values, selection, metadata: ForwardMetadata, *, scale: float, page_size: int):
-    implementation = resolve_auto_implementation(q, keys, page_size)
+    implementation = resolve_auto_implementation(q, keys, page_size, values)
     return SPARSE_ATTENTION_FUNCTIONS[implementation](q, keys, values, selection, metadata, scale=scale, page_size=page_size)
 
 

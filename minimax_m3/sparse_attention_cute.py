@@ -74,6 +74,8 @@ def sparse_attention_cute(q, keys, values, selection, metadata, *, scale: float,
             f"128 keys, head_dim 128 and at most 8 tokens per 128 rows; got q {tuple(q.shape)} {q.dtype} on {q.device}, "
             f"keys {tuple(keys.shape)}, page_size {page_size}"
         )
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, keys, values)):
+        raise ValueError("sparse_attention_implementation='cute' is forward-only: use 'flex' (or 'auto') under autograd")
     batch, capacity, num_kv_heads, head_dim = keys.shape
     if values.shape != keys.shape or not keys.is_contiguous() or not values.is_contiguous():
         raise ValueError(f"keys and values must be contiguous caches of one shape, got {tuple(keys.shape)} and {tuple(values.shape)}")

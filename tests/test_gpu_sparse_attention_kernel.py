@@ -82,3 +82,7 @@ def test_repeat_runs_are_bitwise_identical_and_auto_picks_the_kernel():
     assert torch.equal(first, second)
     assert resolve_auto_implementation(q, keys, PAGE) == "cute"
     assert resolve_auto_implementation(q.float(), keys.float(), PAGE) == "flex"
+    trainable = q.detach().clone().requires_grad_()
+    assert resolve_auto_implementation(trainable, keys, PAGE) == "flex"  # the kernel has no backward
+    with pytest.raises(ValueError, match="forward-only"):
+        sparse_attention_cute(trainable, keys, values, selection, metadata, scale=DIM ** -0.5, page_size=PAGE)
