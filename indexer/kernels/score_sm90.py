@@ -94,7 +94,6 @@ class PageScoreKernelSm90:
         exact: bool = False,
         k_stages: int = None,
         q_stages: int = 2,
-        q_in_registers: bool = False,
     ):
         """``consumer_warpgroups`` = 2: 128-row tiles, each warpgroup overlaps its own wgmma and
         reduction with two accumulators (pages in pairs). 4: 256-row tiles (half the K traffic per
@@ -128,9 +127,6 @@ class PageScoreKernelSm90:
         self.producer_registers, self.consumer_registers = (40, 232) if consumer_warpgroups == 2 else (24, 112)
         self.k_stages = k_stages
         self.q_stages = q_stages
-        # Q as the wgmma's register operand (loaded from smem once per task): each page's wgmmas then read
-        # only K from shared memory
-        self.q_in_registers = q_in_registers
         self.threads_per_cta = (1 + consumer_warpgroups) * self.threads_per_warpgroup
         self.q_tile_bytes = self.tile_rows * self.head_dim * operand_bytes
         self.page_bytes = self.page_size * self.head_dim * operand_bytes
@@ -162,7 +158,6 @@ class PageScoreKernelSm90:
             cutlass.Float32,
             (self.num_consumer_warpgroups, 1, 1),
             tiler_mn=(64, self.page_size),
-            a_source=warpgroup.OperandSource.RMEM if self.q_in_registers else warpgroup.OperandSource.SMEM,
         )
         sQ_layout = self._smem_layout(self.tile_rows, self.q_stages)
         sK_layout = self._smem_layout(self.page_size, self.k_stages)
@@ -303,11 +298,7 @@ class PageScoreKernelSm90:
     def score(self, tiled_mma, sQ, sK, mScores, mDescriptors, q_pipeline, k_pipeline,
               consumer_tidx, cta_idx, num_ctas, num_tasks):
         thr_mma = tiled_mma.get_slice(consumer_tidx)
-        if cutlass.const_expr(self.q_in_registers):
-            tSsQ = thr_mma.partition_A(sQ)
-            tSrQ = tiled_mma.make_fragment_A(thr_mma.partition_shape_A((self.tile_rows, self.head_dim)))
-        else:
-            tSrQ = tiled_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        tSrQ = tiled_mma.make_fragment_A(thr_mma.partition_A(sQ))
         tSrK = tiled_mma.make_fragment_B(thr_mma.partition_B(sK))
         tScS = thr_mma.partition_C(cute.make_identity_tensor((self.tile_rows, self.page_size)))
         first_row = tScS[0][0]  # SM90 m64n128 accumulator: value v = col_pair + 2 * row_half + 4 * col_group
@@ -330,8 +321,6 @@ class PageScoreKernelSm90:
             )
 
             q_pipeline.consumer_wait(q_state)
-            if cutlass.const_expr(self.q_in_registers):
-                cute.autovec_copy(tSsQ[(None, None, None, q_state.index)], tSrQ)
             if cutlass.const_expr(self.paired_pages):
                 # Pages go in pairs: both pages' wgmmas are issued, then the first page is reduced while
                 # the second one's run. No wgmma stays in flight across the loop's back edge (ptxas would
@@ -372,7 +361,7 @@ class PageScoreKernelSm90:
             cute.gemm(
                 mma_atom,
                 acc,
-                tSrQ[(None, None, k_block)] if cutlass.const_expr(self.q_in_registers) else tSrQ[(None, None, k_block, q_state.index)],
+                tSrQ[(None, None, k_block, q_state.index)],
                 tSrK[(None, None, k_block, k_read_state.index)],
                 acc,
             )
