@@ -1,1 +1,15 @@
-"""Accuracy and prefill-throughput evaluation of ``minimax_m3`` (issue 5; not built yet)."""
+"""Accuracy and prefill throughput of ``minimax_m3``'s sparse attention against dense attention on the same model.
+
+Commands:
+
+* ``python -m eval`` — the main job: both comparisons on the embedded default model (CPU-sized);
+* ``python -m eval.accuracy`` (``minimax-m3-accuracy``) — lm-eval in sparse and dense mode side by side, with
+  the paired exact McNemar test, and the logit agreement on long inputs;
+* ``python -m eval.throughput`` (``minimax-m3-throughput``) — prefill tokens/s, TTFT, peak memory and speed-up
+  over dense for fresh and chunked prefills, and one sparse layer's attention against dense.
+
+Modules: ``modes`` (switching a model between sparse / sparse-torch / dense), ``default_model`` (the embedded
+tiny model and tokenizer), ``tasks`` (bundled offline lm-eval tasks), ``stats`` (McNemar, spreads),
+``logit_agreement``, ``timing``, ``report`` (tables, JSON, plot), ``offline`` (the Hugging Face offline switches).
+``eval`` imports ``minimax_m3`` and ``indexer``, never the other way round.
+"""

@@ -67,6 +67,18 @@ class PageSelector:
         self._wrappers: Dict[torch.device, BatchPrefillIndexerQ8KV8Wrapper] = {}
         self._score_storage: Dict[torch.device, torch.Tensor] = {}
 
+    def indexer_backends(self) -> set:
+        """The indexer backends (``"torch"``/``"cute"``) that served the last plan on each device (empty before one)."""
+        from indexer.wrapper import PlanRequiredError
+
+        backends = set()
+        for wrapper in self._wrappers.values():
+            try:
+                backends.add(wrapper.active_backend)
+            except PlanRequiredError:
+                continue
+        return backends
+
     def select(self, layer_cache_pages: torch.Tensor, block_table: torch.Tensor, index_q: torch.Tensor,
                metadata: ForwardMetadata) -> torch.Tensor:
         """``[T, H, topk]`` int32 logical page ids for the packed index queries ``index_q [T, H, D]``."""

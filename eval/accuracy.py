@@ -1,0 +1,347 @@
+"""Accuracy of sparse vs dense attention on the same weights: ``python -m eval.accuracy``.
+
+Runs lm-eval (``simple_evaluate`` with ``HFLM`` wrapping our model object, offline) once per attention mode on
+one model, then prints every task's metrics side by side with the difference and, where lm-eval logs per-sample
+correctness (``acc``, ``acc_norm``, ``exact_match``, ...), the paired exact McNemar p-value over the samples
+paired by ``doc_id``, as the reference PR reports accuracy. Perplexity tasks get the metric and its difference.
+Then a logit-agreement summary on long inputs: KL(dense ‖ sparse), top-1 agreement and max |Δlogit| beyond
+the top-k window, and the same within it as a control.
+
+Without ``--model`` it evaluates the embedded default model (``eval.default_model``) on the bundled tasks.
+``--model PATH --tasks ...`` evaluates a checkpoint (any layout ``minimax_m3.load_model`` reads) on bundled
+tasks and on any lm-eval task whose data is already in the local Hugging Face cache: nothing reaches the network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from .offline import enforce_offline
+from .report import default_output_path, environment, format_number, format_table, write_json
+from .stats import paired_outcome
+
+__all__ = [
+    "DEFAULT_TASKS_EMBEDDED",
+    "DEFAULT_TASKS_CHECKPOINT",
+    "run_lm_eval",
+    "metrics_of",
+    "correctness_of",
+    "compare_modes",
+    "evaluate_accuracy",
+    "accuracy_table",
+    "agreement_table",
+    "run_command",
+    "main",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TASKS_EMBEDDED = ("m3_kv_retrieval_short", "m3_pd_perplexity")
+DEFAULT_TASKS_CHECKPOINT = ("m3_kv_retrieval_long", "m3_kv_retrieval_short", "m3_pd_perplexity")
+
+
+class TaskSession:
+    """An lm-eval ``TaskManager`` over the bundled tasks (materialised with absolute paths into a temporary
+    directory that also holds their datasets cache) and, when a requested task is not bundled, lm-eval's own."""
+
+    def __init__(self, tasks: Sequence[str]):
+        enforce_offline()
+        from lm_eval.tasks import TaskManager
+
+        from .tasks import BUNDLED_TAG, bundled_task_names, materialize
+
+        self._directory = tempfile.TemporaryDirectory(prefix="minimax-m3-eval-tasks-")
+        root = Path(self._directory.name)
+        materialize(root / "tasks", root / "datasets")
+        bundled = set(bundled_task_names()) | {BUNDLED_TAG}
+        # indexing lm-eval's thousands of task files takes seconds: only when a task needs them
+        self.manager = TaskManager(include_path=str(root / "tasks"), include_defaults=not set(tasks) <= bundled)
+        unknown = [name for name in tasks if name not in self.manager.all_tasks]
+        if unknown:
+            self.close()
+            raise ValueError(f"unknown task(s) {unknown}: bundled tasks are {sorted(bundled)}; other names must be "
+                             f"lm-eval tasks (see `lm_eval ls tasks`)")
+
+    def close(self) -> None:
+        self._directory.cleanup()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def run_lm_eval(model, tokenizer, tasks: Sequence[str], session: TaskSession, *, limit: Optional[float],
+                batch_size: int, max_length: Optional[int], num_fewshot: Optional[int], bootstrap_iters: int) -> dict:
+    """One ``simple_evaluate`` of ``model`` as it is configured now; per-sample logs included."""
+    enforce_offline()
+    import datasets
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    datasets.disable_progress_bars()
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size, max_length=max_length)
+    results = simple_evaluate(
+        model=lm, tasks=list(tasks), task_manager=session.manager, limit=limit, num_fewshot=num_fewshot,
+        log_samples=True, bootstrap_iters=bootstrap_iters,
+    )
+    if results is None:
+        raise RuntimeError("lm-eval returned no results (not rank 0 of a distributed run?)")
+    return results
+
+
+def metrics_of(results: dict) -> dict:
+    """``{task: {metric: value}}`` from lm-eval's ``results["results"]``; a metric under a filter other than
+    ``none`` is named ``metric,filter``; stderr entries and aliases are left out."""
+    table = {}
+    for task, entries in results["results"].items():
+        metrics = {}
+        for key, value in entries.items():
+            if "," not in key or "_stderr" in key:
+                continue
+            metric, filter_name = key.split(",", 1)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                metrics[metric if filter_name == "none" else key] = float(value)
+        table[task] = metrics
+    return table
+
+
+def correctness_of(results: dict) -> dict:
+    """``{task: {metric: {(doc_id, filter): correct}}}`` for the per-sample metrics that are 0/1 in every sample
+    (perplexity tasks log ``(loglikelihood, words)`` pairs: they have none)."""
+    table = {}
+    for task, samples in (results.get("samples") or {}).items():
+        per_metric, not_binary = {}, set()
+        for sample in samples:
+            for metric in sample.get("metrics", []):
+                value = sample.get(metric)
+                name = metric if sample.get("filter", "none") == "none" else f"{metric},{sample['filter']}"
+                if isinstance(value, (bool, int, float)) and value in (0, 1):
+                    per_metric.setdefault(name, {})[(sample["doc_id"], sample.get("filter", "none"))] = bool(value)
+                else:
+                    not_binary.add(name)
+        table[task] = {name: values for name, values in per_metric.items() if name not in not_binary}
+    return table
+
+
+def compare_modes(candidate: dict, reference: dict, modes: Sequence[str]) -> dict:
+    """Side-by-side metrics with differences (candidate - reference) and McNemar outcomes, per task."""
+    metrics_c, metrics_r = metrics_of(candidate), metrics_of(reference)
+    correct_c, correct_r = correctness_of(candidate), correctness_of(reference)
+    comparison = {}
+    for task in sorted(set(metrics_c) | set(metrics_r)):
+        rows = {}
+        for metric in sorted(set(metrics_c.get(task, {})) | set(metrics_r.get(task, {}))):
+            value_c, value_r = metrics_c.get(task, {}).get(metric), metrics_r.get(task, {}).get(metric)
+            paired_c = correct_c.get(task, {}).get(metric)
+            paired_r = correct_r.get(task, {}).get(metric)
+            rows[metric] = {
+                modes[0]: value_c,
+                modes[1]: value_r,
+                "difference": None if value_c is None or value_r is None else value_c - value_r,
+                "paired": _named(paired_outcome(paired_c, paired_r), modes) if paired_c and paired_r else None,
+            }
+        comparison[task] = rows
+    return comparison
+
+
+def _named(outcome, modes: Sequence[str]) -> dict:
+    return {"samples": outcome.samples, "both_correct": outcome.both_correct,
+            f"only_{modes[0]}_correct": outcome.only_first_correct,
+            f"only_{modes[1]}_correct": outcome.only_second_correct,
+            "both_wrong": outcome.both_wrong, "p_value": outcome.p_value}
+
+
+def accuracy_table(comparison: dict, modes: Sequence[str]) -> str:
+    headers = ["task", "metric", modes[0], modes[1], f"Δ ({modes[0]} − {modes[1]})", "n",
+               f"only {modes[0]} / only {modes[1]} correct", "McNemar p"]
+    rows = []
+    for task, metrics in comparison.items():
+        for metric, row in metrics.items():
+            paired = row["paired"]
+            rows.append([
+                task, metric, format_number(row[modes[0]], 4), format_number(row[modes[1]], 4),
+                "-" if row["difference"] is None else f"{row['difference']:+.4g}",
+                paired["samples"] if paired else "-",
+                f"{paired[f'only_{modes[0]}_correct']} / {paired[f'only_{modes[1]}_correct']}" if paired else "-",
+                f"{paired['p_value']:.3g}" if paired else "-",
+            ])
+    return format_table(headers, rows)
+
+
+def agreement_table(agreement: dict) -> str:
+    headers = ["positions", "count", agreement["kl_direction"] + " mean", "KL max", "top-1 agreement", "max abs Δlogit"]
+    rows = []
+    window = agreement["topk_window_tokens"]
+    for name, label in (("within_topk", f"< {window} (all pages kept)"), ("beyond_topk", f">= {window} (pages dropped)")):
+        stats = agreement.get(name)
+        if stats:
+            rows.append([label, stats["positions"], f"{stats['kl_mean']:.3g}", f"{stats['kl_max']:.3g}",
+                         f"{stats['top1_agreement']:.2%}", f"{stats['max_abs_logit_diff']:.3g}"])
+    return format_table(headers, rows)
+
+
+def evaluate_accuracy(model, tokenizer, *, tasks: Sequence[str], modes: Sequence[str] = ("sparse", "dense"),
+                      limit: Optional[float] = None, batch_size: int = 8, max_length: Optional[int] = None,
+                      num_fewshot: Optional[int] = None, bootstrap_iters: int = 0, agreement_length: Optional[int] = None,
+                      agreement_sequences: int = 4, agreement_positions: int = 256, seed: int = 0) -> dict:
+    """Everything ``python -m eval.accuracy`` reports, as a JSON-ready dict. ``agreement_length=0`` skips the
+    logit agreement; ``None`` uses ``default_agreement_length``."""
+    from .logit_agreement import agreement_sequences as make_sequences
+    from .logit_agreement import default_agreement_length, logit_agreement
+    from .modes import MODE_SETTINGS, attention_mode
+
+    if len(modes) != 2 or any(m not in MODE_SETTINGS for m in modes) or modes[0] == modes[1]:
+        raise ValueError(f"modes must be two different modes of {tuple(MODE_SETTINGS)} (candidate, reference), got {modes}")
+    started = time.perf_counter()
+    per_mode, seconds = {}, {}
+    with TaskSession(tasks) as session:
+        for mode in modes:
+            logger.info("lm-eval in %s mode on %s", mode, ", ".join(tasks))
+            begin = time.perf_counter()
+            with attention_mode(model, mode):
+                per_mode[mode] = run_lm_eval(model, tokenizer, tasks, session, limit=limit, batch_size=batch_size,
+                                             max_length=max_length, num_fewshot=num_fewshot,
+                                             bootstrap_iters=bootstrap_iters)
+            seconds[mode] = time.perf_counter() - begin
+    result = {
+        "kind": "accuracy",
+        "modes": list(modes),
+        "tasks": list(tasks),
+        "limit": limit,
+        "num_fewshot": num_fewshot,
+        "comparison": compare_modes(per_mode[modes[0]], per_mode[modes[1]], modes),
+        "lm_eval_seconds": seconds,
+        "n_samples": {mode: per_mode[mode].get("n-samples", {}) for mode in modes},
+        "logit_agreement": None,
+    }
+    if agreement_length != 0:
+        length = agreement_length or default_agreement_length(model.config)
+        sequences = make_sequences(tokenizer, model.config.vocab_size, length, agreement_sequences, seed)
+        result["logit_agreement"] = logit_agreement(model, sequences, modes=modes, max_positions=agreement_positions)
+    result["seconds"] = time.perf_counter() - started
+    return result
+
+
+def print_accuracy_report(result: dict, stream=None) -> None:
+    stream = stream or sys.stdout  # looked up per call: pytest's capsys replaces it
+    modes = result["modes"]
+    limit = "" if result["limit"] is None else f", limit {result['limit']} per task"
+    print(f"\nAccuracy: {modes[0]} vs {modes[1]} on the same weights (lm-eval{limit}; "
+          f"McNemar: paired exact test on per-sample correctness)", file=stream)
+    print(accuracy_table(result["comparison"], modes), file=stream)
+    agreement = result.get("logit_agreement")
+    if agreement:
+        print(f"\nLogit agreement, {modes[0]} vs {modes[1]}: {agreement['sequences']} sequences of "
+              f"{agreement['length']} tokens (bundled text and random tokens)", file=stream)
+        print(agreement_table(agreement), file=stream)
+
+
+def load_for_evaluation(model_path: Optional[str], tokenizer_path: Optional[str], *, dtype: str, device: str,
+                        device_map: Optional[str]):
+    """``(model, tokenizer, description)``; the embedded default model without ``model_path``."""
+    enforce_offline()
+    from transformers import AutoTokenizer
+
+    from .default_model import default_model_dir, load_default_model
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    if model_path is None:
+        if tokenizer_path is not None:
+            raise ValueError("--tokenizer needs --model (the embedded default model has its own tokenizer)")
+        torch_dtype = torch.float32 if dtype == "auto" else getattr(torch, dtype)
+        model, tokenizer = load_default_model(dtype=torch_dtype, device=device)
+        return model, tokenizer, {"model": "embedded default", "path": str(default_model_dir()),
+                                  "dtype": _dtype_name(torch_dtype), "device": device}
+    from minimax_m3 import load_model
+
+    torch_dtype = (torch.bfloat16 if device.startswith("cuda") else torch.float32) if dtype == "auto" else getattr(torch, dtype)
+    if device_map is None:
+        device_map = "auto" if device.startswith("cuda") else None
+    model = load_model(model_path, dtype=torch_dtype, device_map=device_map).eval()
+    if device_map is None and device != "cpu":
+        model = model.to(device)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
+    return model, tokenizer, {"model": model_path, "tokenizer": tokenizer_path or model_path,
+                              "dtype": _dtype_name(torch_dtype), "device": device, "device_map": device_map}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m eval.accuracy", description=__doc__.splitlines()[0].replace("``", ""))
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the embedded tiny model)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    parser.add_argument("--tasks", default=None,
+                        help=f"comma-separated lm-eval task names (default: {','.join(DEFAULT_TASKS_EMBEDDED)} for the "
+                             f"embedded model, {','.join(DEFAULT_TASKS_CHECKPOINT)} for --model)")
+    parser.add_argument("--limit", type=float, default=None, help="documents per task (a fraction if < 1)")
+    parser.add_argument("--modes", default="sparse,dense", help="candidate,reference (modes of eval.modes)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-length", type=int, default=None, help="lm-eval's context limit (default: the config's)")
+    parser.add_argument("--num-fewshot", type=int, default=None)
+    parser.add_argument("--bootstrap-iters", type=int, default=0, help="lm-eval's stderr bootstrap (0: none)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="auto: float32 for the embedded model and on CPU, bfloat16 for --model on CUDA")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    parser.add_argument("--device-map", default=None, help="for --model (default: auto on CUDA)")
+    parser.add_argument("--agreement-length", type=int, default=None,
+                        help="tokens per logit-agreement sequence (default: 4 x topk x page size; 0 skips it)")
+    parser.add_argument("--agreement-sequences", type=int, default=4)
+    parser.add_argument("--agreement-positions", type=int, default=256,
+                        help="positions sampled per group (within / beyond the top-k window)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default=None, help="JSON results (default: eval_results/accuracy-<time>.json)")
+    parser.add_argument("--verbose", action="store_true", help="lm-eval's own INFO logging")
+    return parser
+
+
+def _limit(value: Optional[float]):
+    return int(value) if value is not None and value >= 1 and float(value).is_integer() else value
+
+
+def run_command(argv=None) -> dict:
+    """The command line's work; returns the results (``main`` is the console-script entry point)."""
+    args = build_parser().parse_args(argv)
+    enforce_offline()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not args.verbose:
+        for name in ("lm_eval", "lm-eval", "datasets", "transformers"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+    if args.limit is not None and args.limit <= 0:
+        raise SystemExit(f"--limit must be positive, got {args.limit}")
+    default_tasks = DEFAULT_TASKS_EMBEDDED if args.model is None else DEFAULT_TASKS_CHECKPOINT
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else list(default_tasks)
+    model, tokenizer, description = load_for_evaluation(args.model, args.tokenizer, dtype=args.dtype, device=args.device,
+                                                        device_map=args.device_map)
+    result = evaluate_accuracy(
+        model, tokenizer, tasks=tasks, modes=tuple(m.strip() for m in args.modes.split(",")), limit=_limit(args.limit),
+        batch_size=args.batch_size, max_length=args.max_length, num_fewshot=args.num_fewshot,
+        bootstrap_iters=args.bootstrap_iters, agreement_length=args.agreement_length,
+        agreement_sequences=args.agreement_sequences, agreement_positions=args.agreement_positions, seed=args.seed,
+    )
+    result.update(description)
+    result["environment"] = environment()
+    print_accuracy_report(result)
+    output = write_json(args.output or default_output_path("accuracy"), result)
+    print(f"\nresults: {output}")
+    return result
+
+
+def main(argv=None) -> None:
+    run_command(argv)
+
+
+if __name__ == "__main__":
+    main()

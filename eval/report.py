@@ -1,0 +1,145 @@
+"""Output of the evaluations: aligned Markdown tables, strict JSON files and the throughput plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+__all__ = ["RESULTS_DIRECTORY", "default_output_path", "format_table", "format_number", "write_json", "to_jsonable",
+           "plot_throughput", "environment"]
+
+RESULTS_DIRECTORY = Path("eval_results")
+
+
+def default_output_path(kind: str) -> Path:
+    """``eval_results/<kind>-<local time>.json`` under the current directory (git-ignored in the repository)."""
+    return RESULTS_DIRECTORY / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+
+
+def format_number(value, digits: int = 3) -> str:
+    """``-`` for None, ``nan``/``inf`` spelled out, thousands separators for large values, else ``digits``
+    significant figures."""
+    if value is None:
+        return "-"
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if not math.isfinite(value):
+        return str(value)
+    if abs(value) >= 10 ** digits:
+        return f"{value:,.0f}"
+    return f"{value:.{digits}g}"
+
+
+def format_table(headers: Sequence[str], rows: Iterable[Sequence]) -> str:
+    """A Markdown table with columns padded to their widest cell (readable as plain text too)."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    for row in cells[1:]:
+        if len(row) != len(headers):
+            raise ValueError(f"table row has {len(row)} cells, the header {len(headers)}: {row}")
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths)) + " |" for row in cells]
+    lines.insert(1, "|" + "|".join("-" * (width + 2) for width in widths) + "|")
+    return "\n".join(lines)
+
+
+def to_jsonable(value):
+    """Plain JSON types; non-finite floats become None (strict JSON), tuples lists, paths and dtypes strings."""
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
+        return to_jsonable(value.item())
+    return str(value)
+
+
+def write_json(path, payload) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(to_jsonable(payload), indent=1, allow_nan=False) + "\n")
+    return path
+
+
+def _tokens_label(tokens: int) -> str:
+    return f"{tokens // 1024}K" if tokens >= 1024 and tokens % 1024 == 0 else str(tokens)
+
+
+def plot_throughput(results: Sequence[dict], path, title: Optional[str] = None) -> Optional[Path]:
+    """Input tokens/s against prompt length, one line per (mode, batch size) for fresh prompts, one marker per
+    mode for chunked prefill; log x axis; OOM points as a red x on the axis. None when nothing finished."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    finished = [r for r in results if r.get("status") == "ok"]
+    if not finished:
+        return None
+    figure, axes = plt.subplots(figsize=(7.5, 4.8))
+    colours = {}
+    for result in results:
+        colours.setdefault(result["mode"], f"C{len(colours)}")
+    lines = {}
+    for result in finished:
+        if result["workload"] == "fresh":
+            lines.setdefault((result["mode"], result["batch_size"]), []).append(
+                (result["length"], result["tokens_per_second"]["median"]))
+    for (mode, batch), points in sorted(lines.items()):
+        points.sort()
+        label = mode if batch == 1 else f"{mode}, batch {batch}"
+        axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=colours[mode], label=label,
+                  linestyle="-" if batch == 1 else "--")
+    for result in finished:
+        if result["workload"] == "chunked":
+            axes.scatter([result["length"]], [result["tokens_per_second"]["median"]], marker="s", s=60,
+                         color=colours[result["mode"]], edgecolors="black",
+                         label=f"{result['mode']}, chunked ({result['chunk_size']}-token chunks)")
+    out_of_memory = [r for r in results if r.get("status") == "OOM"]
+    if out_of_memory:
+        bottom = min(r["tokens_per_second"]["median"] for r in finished)
+        axes.scatter([r["length"] for r in out_of_memory], [bottom * 0.5] * len(out_of_memory), marker="x",
+                     color="red", s=60, label="out of memory")
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    lengths = sorted({r["length"] for r in results})
+    axes.set_xticks(lengths, [_tokens_label(n) for n in lengths])
+    axes.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    axes.set_xlabel("prompt / context length (tokens)")
+    axes.set_ylabel("input tokens / s (median over seeds)")
+    axes.set_title(title or "Prefill throughput")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def environment() -> dict:
+    """Versions and the GPU, recorded with every result file."""
+    import torch
+    import transformers
+
+    info = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__}
+    lm_eval = sys.modules.get("lm_eval")
+    if lm_eval is not None:
+        info["lm_eval"] = getattr(lm_eval, "__version__", "unknown")
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["gpu_count"] = torch.cuda.device_count()
+    return info

@@ -1,0 +1,78 @@
+"""Statistics for the reports: the paired exact (McNemar) test and median/spread summaries."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Optional, Sequence
+
+__all__ = ["PairedOutcome", "mcnemar_exact_p_value", "paired_outcome", "spread"]
+
+
+def mcnemar_exact_p_value(only_first_correct: int, only_second_correct: int) -> float:
+    """Two-sided exact McNemar p-value from the discordant pairs.
+
+    Under the null hypothesis (both systems equally accurate) each of the ``n = b + c`` discordant pairs goes
+    either way with probability 1/2, so ``min(b, c)`` is Binomial(n, 1/2) in its lower tail:
+    ``p = min(1, 2 * sum_{i <= min(b, c)} C(n, i) / 2^n)``; ``p = 1`` without discordant pairs.
+    """
+    for name, value in (("only_first_correct", only_first_correct), ("only_second_correct", only_second_correct)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    discordant = only_first_correct + only_second_correct
+    if discordant == 0:
+        return 1.0
+    # exact integers up to the one division (no underflow for thousands of pairs); C(n, i+1) from C(n, i) keeps
+    # the tail linear in min(b, c) where summing math.comb(n, i) term by term would be quadratic
+    term = tail = 1
+    for i in range(min(only_first_correct, only_second_correct)):
+        term = term * (discordant - i) // (i + 1)
+        tail += term
+    return min(1.0, 2 * tail / 2**discordant)
+
+
+@dataclass(frozen=True)
+class PairedOutcome:
+    """Per-sample correctness of two systems on the same samples (``first`` = sparse, ``second`` = dense)."""
+
+    samples: int
+    both_correct: int
+    only_first_correct: int
+    only_second_correct: int
+    both_wrong: int
+    p_value: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def paired_outcome(first: dict, second: dict) -> PairedOutcome:
+    """McNemar outcome of two ``{sample key: correct (bool or 0/1)}`` maps over the same keys."""
+    if set(first) != set(second):
+        missing = sorted(map(str, set(first) ^ set(second)))[:5]
+        raise ValueError(f"paired samples must have the same keys; these differ (first 5): {missing}")
+    counts = {(True, True): 0, (True, False): 0, (False, True): 0, (False, False): 0}
+    for key, value in first.items():
+        counts[(_as_correct(value, key), _as_correct(second[key], key))] += 1
+    return PairedOutcome(
+        samples=len(first),
+        both_correct=counts[(True, True)],
+        only_first_correct=counts[(True, False)],
+        only_second_correct=counts[(False, True)],
+        both_wrong=counts[(False, False)],
+        p_value=mcnemar_exact_p_value(counts[(True, False)], counts[(False, True)]),
+    )
+
+
+def _as_correct(value, key) -> bool:
+    if value in (0, 1):  # True/False, 0/1, 0.0/1.0
+        return bool(value)
+    raise ValueError(f"sample {key!r}: correctness must be 0/1 or a bool, got {value!r}")
+
+
+def spread(values: Sequence[float]) -> Optional[dict]:
+    """``{"median", "min", "max"}`` of ``values``; None when empty."""
+    values = list(values)
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}

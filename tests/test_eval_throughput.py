@@ -1,0 +1,147 @@
+"""eval.throughput on CPU with tiny models and short lengths: the JSON schema, the table, the plot, OOM as OOM,
+the no-CUDA fallback, a checkpoint through --model, and the main job (python -m eval) end to end."""
+
+import json
+import logging
+
+import pytest
+import torch
+
+import eval.__main__ as eval_main
+from eval import default_model, throughput
+from eval_isolation import isolate, no_network
+from minimax_m3 import MiniMaxM3ForCausalLM
+
+SHORT_RUN = ["--lengths", "96,160", "--chunked-context", "160", "--chunk-size", "64", "--seeds", "0,1",
+             "--attention-lengths", "96", "--attention-repeats", "1"]
+RESULT_KEYS = {"mode", "workload", "length", "batch_size", "chunk_size", "tokens", "status", "speedup_vs_dense"}
+
+
+@pytest.fixture
+def isolated(monkeypatch, tmp_path):
+    isolate(monkeypatch, tmp_path)
+    return tmp_path
+
+
+def test_throughput_command_end_to_end(isolated, capsys):
+    output = isolated / "out" / "throughput.json"
+    result = throughput.run_command(["--preset", "tiny", *SHORT_RUN, "--output", str(output)])
+
+    saved = json.loads(output.read_text())
+    assert saved["kind"] == "throughput" and saved["model"] == "preset tiny" and saved["dtype"] == "float32"
+    assert saved["modes"] == ["sparse", "sparse-torch", "dense", "native"] and saved["seeds"] == [0, 1]
+    assert saved["config"]["index_block_size"] == 16 and saved["config"]["num_hidden_layers"] == 4
+    rows = saved["results"]
+    assert len(rows) == 4 * 3  # modes x (two fresh lengths + one chunked prefill)
+    for row in rows:
+        assert RESULT_KEYS <= set(row) and row["status"] == "ok", row
+        assert set(row["seconds"]) == {"median", "min", "max"} and len(row["seconds_per_seed"]) == 2
+        assert row["seconds"]["min"] <= row["seconds"]["median"] <= row["seconds"]["max"]
+        assert row["tokens_per_second"]["min"] == pytest.approx(row["tokens"] / row["seconds"]["max"])
+        assert row["tokens_per_second"]["max"] == pytest.approx(row["tokens"] / row["seconds"]["min"])
+        assert row["peak_memory_gib"] is None  # no CUDA
+        if row["mode"] == "dense":
+            assert row["speedup_vs_dense"] == pytest.approx(1.0)
+        else:
+            assert row["speedup_vs_dense"] > 0
+        if row["workload"] == "chunked":
+            assert row["length"] == 160 and row["chunk_size"] == 64
+            assert [len(chunks) for chunks in row["chunk_seconds"]["per_seed"]] == [3, 3]  # 64 + 64 + 32 tokens
+    assert {r["mode"]: r.get("indexer_backends") for r in rows if r["workload"] == "fresh" and r["length"] == 96} == {
+        "sparse": ["torch"], "sparse-torch": ["torch"], "dense": None, "native": None}
+    (layer,) = saved["sparse_layer"]
+    assert layer["status"] == "ok" and layer["length"] == 96 and layer["selection"] == "model"
+    assert layer["speedup"] == pytest.approx(layer["dense_attention_seconds"] / layer["sparse_attention_seconds"])
+
+    plot = output.with_suffix(".png")
+    assert saved["plot"] == str(plot) and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert result["kind"] == "throughput" and len(result["results"]) == len(rows)
+
+    printed = capsys.readouterr().out
+    for text in ("TTFT ms, median [min–max]", "input tokens/s", "vs dense", "| chunked 64", "| sparse-torch", "| native",
+                 "sparse block ms", "1.00x"):
+        assert text in printed, text
+
+
+def test_out_of_memory_is_reported_not_raised(isolated, monkeypatch, capsys):
+    real_forward = MiniMaxM3ForCausalLM.forward
+
+    def forward_that_runs_out_of_memory_beyond_128_tokens(self, input_ids=None, **kwargs):
+        if input_ids is not None and input_ids.shape[1] > 128:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+        return real_forward(self, input_ids=input_ids, **kwargs)
+
+    def attention_that_runs_out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(MiniMaxM3ForCausalLM, "forward", forward_that_runs_out_of_memory_beyond_128_tokens)
+    monkeypatch.setattr("minimax_m3.bench_prefill.bench_attention", attention_that_runs_out_of_memory)
+    output = isolated / "oom.json"
+    throughput.run_command(["--preset", "tiny", "--modes", "sparse,dense", *SHORT_RUN, "--output", str(output)])
+
+    rows = json.loads(output.read_text())["results"]
+    by_key = {(r["mode"], r["workload"], r["length"]): r for r in rows}
+    assert by_key[("sparse", "fresh", 96)]["status"] == "ok" and by_key[("dense", "fresh", 96)]["status"] == "ok"
+    for mode in ("sparse", "dense"):
+        assert by_key[(mode, "fresh", 160)]["status"] == "OOM"
+        assert by_key[(mode, "fresh", 160)]["speedup_vs_dense"] is None
+        assert by_key[(mode, "chunked", 160)]["status"] == "ok"  # 64-token chunks stay under the limit
+    (layer,) = json.loads(output.read_text())["sparse_layer"]
+    assert layer["status"] == "OOM" and layer["speedup"] is None
+    printed = capsys.readouterr().out
+    assert "| OOM" in printed
+
+
+def test_no_cuda_falls_back_to_the_tiny_preset_and_says_so(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="eval.throughput"):
+        resolved = throughput.resolve_arguments(throughput.build_parser().parse_args([]))
+    assert resolved["spec"].preset == "tiny" and resolved["spec"].dtype == torch.float32
+    assert [(w.kind, w.length) for w in resolved["workloads"]] == [("fresh", 256), ("fresh", 512), ("chunked", 512)]
+    assert "falling back from preset m3-geometry to preset tiny" in caplog.text
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="chunk_size"):
+        throughput.Workload("chunked", 100, 1, 0)
+    parser = throughput.build_parser()
+    with pytest.raises(SystemExit, match="either --preset or --model"):
+        throughput.resolve_arguments(parser.parse_args(["--preset", "tiny", "--model", "x"]))
+    with pytest.raises(SystemExit, match="--modes"):
+        throughput.resolve_arguments(parser.parse_args(["--modes", "sparse,linear"]))
+    with pytest.raises(SystemExit, match="--chunk-size"):
+        throughput.resolve_arguments(parser.parse_args(["--chunked-context", "64", "--chunk-size", "128"]))
+
+
+def test_a_checkpoint_directory_runs_through_model(isolated):
+    path = default_model.ensure_default_model(isolated / "checkpoint")
+    output = isolated / "checkpoint.json"
+    throughput.run_command(["--model", str(path), "--lengths", "96", "--chunked-context", "0", "--seeds", "0",
+                     "--attention-lengths", "", "--no-plot", "--output", str(output)])
+    saved = json.loads(output.read_text())
+    assert saved["model"] == f"--model {path}" and saved["config"]["vocab_size"] == default_model.VOCAB_SIZE
+    statuses = {r["mode"]: r["status"] for r in saved["results"]}
+    assert statuses == {"sparse": "ok", "sparse-torch": "ok", "dense": "ok", "native": "skipped"}
+    assert "presets only" in next(r["reason"] for r in saved["results"] if r["mode"] == "native")
+    assert saved["sparse_layer"] == [] and "plot" not in saved
+
+
+def test_main_job_prints_both_comparisons(isolated, monkeypatch, capsys):
+    no_network(monkeypatch)
+    eval_main.run_command(["--limit", "2", "--lengths", "96", "--seeds", "0", "--output-dir", str(isolated / "main")])
+    printed = capsys.readouterr().out
+    assert "Accuracy: sparse vs dense on the same weights" in printed and "| m3_kv_retrieval_short" in printed
+    assert "Logit agreement" in printed
+    assert "Prefill throughput: preset embedded" in printed and "One sparse layer's attention" in printed
+    assert {p.name for p in (isolated / "main").iterdir()} == {"accuracy.json", "throughput.json", "throughput.png"}
+
+
+def test_sparse_layer_table_shows_the_core_where_it_was_timed():
+    on_gpu = {"length": 131072, "selection": "clustered", "sparse_attention_seconds": 0.1, "dense_attention_seconds": 0.5,
+              "speedup": 5.0, "sparse_core_seconds": 0.02, "dense_core_seconds": 0.2, "core_speedup": 10.0, "status": "ok"}
+    out_of_memory = {"length": 262144, "selection": "clustered", "sparse_attention_seconds": 0.2,
+                     "dense_attention_seconds": None, "speedup": None, "status": "OOM (dense)"}
+    table = throughput.sparse_layer_table([on_gpu, out_of_memory])
+    assert "core speed-up" in table and "10.00x" in table and "5.00x" in table
+    assert table.splitlines()[-1].split("|")[4].strip() == "OOM"
+    assert "core" not in throughput.sparse_layer_table([out_of_memory])
