@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 from indexer import BatchPrefillIndexerQ8KV8Wrapper
 
@@ -20,6 +21,7 @@ __all__ = [
     "ForwardMetadata",
     "PageSelector",
     "dense_attention",
+    "dense_attention_page_mass",
     "sparse_attention_reference",
     "SPARSE_ATTENTION_FUNCTIONS",
     "get_sparse_attention_function",
@@ -121,8 +123,9 @@ class PageSelector:
 def dense_attention(q, keys, values, metadata: ForwardMetadata, *, scale: float) -> torch.Tensor:
     """Causal GQA attention of each sequence's new tokens over its cached tokens (bottom-right aligned).
 
-    A fresh prefill (no cached prefix) uses SDPA's own causal mode; new tokens over a cached prefix go in query
-    chunks with an explicit ``[chunk, kv]`` mask, so no ``[S, S]`` tensor is ever built. Inputs are 4-D with the
+    A fresh prefill (no cached prefix) uses SDPA's own causal mode; new tokens over a cached prefix use a
+    bottom-right causal bias on CUDA (SDPA's flash kernel, no mask tensor) and, elsewhere, query chunks with an
+    explicit ``[chunk, kv]`` mask, so no ``[S, S]`` tensor is ever built. Inputs are 4-D with the
     KV heads repeated per query head (as transformers' ``repeat_kv``) so SDPA can pick its flash kernel.
     """
     output = torch.empty_like(q)
@@ -137,6 +140,14 @@ def dense_attention(q, keys, values, metadata: ForwardMetadata, *, scale: float)
             attended = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale)
             output[start : start + count] = attended[0].transpose(0, 1)
             continue
+        if q.is_cuda:
+            # new tokens over a cached prefix: bottom-right causal, which SDPA runs on its flash kernel without a mask
+            query = q[start : start + count].transpose(0, 1)[None]
+            attended = torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, attn_mask=causal_lower_right(count, kv_length), scale=scale
+            )
+            output[start : start + count] = attended[0].transpose(0, 1)
+            continue
         chunk = max(1, _MASK_ELEMENTS // kv_length)
         for begin in range(0, count, chunk):
             end = min(count, begin + chunk)
@@ -146,6 +157,44 @@ def dense_attention(q, keys, values, metadata: ForwardMetadata, *, scale: float)
             attended = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale)
             output[start + begin : start + end] = attended[0].transpose(0, 1)
     return output
+
+
+def dense_attention_page_mass(q, keys, positions, *, scale: float, page_size: int,
+                              chunk_elements: int = _MASK_ELEMENTS) -> torch.Tensor:
+    """The probability mass dense causal attention puts on each page, per KV group: ``[T, G, pages]``.
+
+    ``q`` is ``[T, heads, D]`` for query tokens of one sequence as attention reads them (normed, rotated),
+    ``keys`` ``[S, G, D]`` the sequence's keys at positions ``0 .. S-1``, ``positions`` ``[T]`` the tokens'
+    positions; ``pages = ceil(S / page_size)``. Entry ``[t, g, p]`` is the softmax of ``q . k * scale`` over the
+    keys ``j <= positions[t]``, summed over the keys of page ``p`` and averaged over the query heads of KV group
+    ``g``: each row sums to 1 over the token's causal pages and is 0 after them. This is what the indexer of a
+    sparse layer should imitate (the target of its KL training) and what a selection keeps (its recall).
+    Computed in float32 (float64 for float64 inputs), at most ``chunk_elements`` logits at once.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_keys, num_groups = keys.shape[0], keys.shape[1]
+    if keys.dim() != 3 or keys.shape[2] != head_dim or num_heads % num_groups:
+        raise ValueError(f"keys must be [S, G, {head_dim}] with G dividing the {num_heads} query heads, got {tuple(keys.shape)}")
+    if positions.shape != (num_tokens,):
+        raise ValueError(f"positions must have shape [{num_tokens}] (one per query token), got {tuple(positions.shape)}")
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    group = num_heads // num_groups
+    num_pages = -(-num_keys // page_size)
+    padded = num_pages * page_size
+    key_index = torch.arange(num_keys, device=q.device)
+    keys = keys.to(compute)
+    token_chunk = max(1, chunk_elements // (num_heads * padded))
+    mass = []
+    for begin in range(0, num_tokens, token_chunk):
+        end = min(num_tokens, begin + token_chunk)
+        query = q[begin:end].to(compute).view(end - begin, num_groups, group, head_dim)
+        logits = torch.einsum("ngrd,sgd->ngrs", query, keys) * scale
+        logits = logits.masked_fill((key_index[None, :] > positions[begin:end, None])[:, None, None, :], float("-inf"))
+        probabilities = torch.nn.functional.pad(torch.softmax(logits, dim=-1), (0, padded - num_keys))
+        mass.append(probabilities.view(end - begin, num_groups, group, num_pages, page_size).sum(-1).mean(2))
+    if not mass:
+        return torch.zeros(0, num_groups, num_pages, dtype=compute, device=q.device)
+    return torch.cat(mass)
 
 
 def sparse_attention_reference(q, keys, values, selection, metadata: ForwardMetadata, *, scale: float,

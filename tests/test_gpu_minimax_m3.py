@@ -113,3 +113,23 @@ def test_bf16_model_on_the_sm90_attention_kernel_is_as_close_to_fp32_as_the_bf16
     reference_error = (expected.logits.float() - truth).abs()
     assert cute_error.mean() <= 1.5 * reference_error.mean() + 1e-3, (cute_error.mean(), reference_error.mean())
     assert cute_error.max() <= 2 * reference_error.max() + 1e-2, (cute_error.max(), reference_error.max())
+
+
+def test_dense_attention_over_a_cached_prefix_on_cuda_matches_the_masked_cpu_path():
+    """The CUDA path (bottom-right causal bias, flash) == the CPU path (explicit masks in query chunks)."""
+    from minimax_m3.sparse_attention import ForwardMetadata, dense_attention
+
+    generator = torch.Generator().manual_seed(0)
+    query_lengths, kv_lengths = [300, 7], [1200, 1000]
+    q = torch.randn(sum(query_lengths), 16, 128, generator=generator).to(torch.bfloat16)
+    keys = torch.randn(2, 1280, 2, 128, generator=generator).to(torch.bfloat16)
+    values = torch.randn(2, 1280, 2, 128, generator=generator).to(torch.bfloat16)
+    positions = torch.cat([torch.arange(kv - n, kv) for n, kv in zip(query_lengths, kv_lengths)])
+    batch_index = torch.cat([torch.full((n,), b) for b, n in enumerate(query_lengths)])
+
+    def metadata(device):
+        return ForwardMetadata(batch_index.to(device), positions.to(device), query_lengths, kv_lengths, [0, 300])
+
+    expected = dense_attention(q.float(), keys.float(), values.float(), metadata("cpu"), scale=128 ** -0.5)
+    got = dense_attention(q.cuda(), keys.cuda(), values.cuda(), metadata("cuda"), scale=128 ** -0.5)
+    torch.testing.assert_close(got.float().cpu(), expected, atol=2e-2, rtol=2e-2)
