@@ -11,5 +11,11 @@ Commands:
 Modules: ``modes`` (switching a model between sparse / sparse-torch / dense), ``default_model`` (the embedded
 tiny model and tokenizer), ``tasks`` (bundled offline lm-eval tasks), ``stats`` (McNemar, spreads),
 ``logit_agreement``, ``timing``, ``report`` (tables, JSON, plot), ``offline`` (the Hugging Face offline switches).
+
+Training a tiny model whose indexer matters (docs/TRAINING.md): ``python -m eval.train_tiny``, with
+``synthetic_retrieval`` (the long-context retrieval data), ``indexer_distillation`` (the indexer's KL objective),
+``recall`` (the share of dense attention mass in the selected pages) and ``layer_inputs`` (capturing what the sparse
+layers saw).
+
 ``eval`` imports ``minimax_m3`` and ``indexer``, never the other way round.
 """

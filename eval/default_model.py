@@ -21,7 +21,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -82,24 +82,30 @@ def _training_texts() -> list:
         return [json.loads(line)["text"] for line in handle if line.strip()]
 
 
-def build_tokenizer():
-    """A byte-level BPE (``VOCAB_SIZE`` entries, ids 0/1/2 = pad/bos/eos) trained on the bundled text.
+def build_tokenizer(extra_texts: Sequence[str] = (), *, vocab_size: int = VOCAB_SIZE, individual_digits: bool = False,
+                    model_max_length: int = MAX_POSITIONS):
+    """A byte-level BPE (``vocab_size`` entries at most, ids 0/1/2 = pad/bos/eos) trained on the bundled text and
+    ``extra_texts``; with ``individual_digits`` every digit is its own token (numbers are never merged).
 
     Byte-level, so any text encodes (digits and keys of the retrieval task included); training on a fixed corpus
-    with a fixed vocabulary size is deterministic."""
+    with a fixed vocabulary size is deterministic. The defaults build the embedded default model's tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if individual_digits:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tokenizer.pre_tokenizer = byte_level
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=[PAD, BOS, EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size, special_tokens=[PAD, BOS, EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         min_frequency=2, show_progress=False,
     )
-    tokenizer.train_from_iterator(_training_texts(), trainer=trainer)
+    tokenizer.train_from_iterator(_training_texts() + list(extra_texts), trainer=trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=MAX_POSITIONS,
+        tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=model_max_length,
     )
 
 

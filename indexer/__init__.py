@@ -3,10 +3,12 @@
 Scores every complete history page of every (query token, index head) row with the max over the
 page's keys of the raw fp32 dot product, and selects ``topk`` pages per row with the local page
 forced in. The torch backend is exact and runs anywhere; the SM90 CuTe DSL kernel is a separate
-backend chosen by ``backend="auto"`` where it fits.
+backend chosen by ``backend="auto"`` where it fits. ``differentiable_page_scores`` is the same score definition
+under autograd, for training the indexer.
 """
 
 from .contract import DEFAULT_TOPK, HEAD_DIM, MAX_PAGES_PER_ROW, PAGE_SIZE
+from .differentiable_scores import causal_page_counts, differentiable_page_scores
 from .selection_gate import selection_gate
 from .topk import topk_select
 from .wrapper import BatchPrefillIndexerQ8KV8Wrapper
@@ -15,6 +17,8 @@ __all__ = [
     "BatchPrefillIndexerQ8KV8Wrapper",
     "topk_select",
     "selection_gate",
+    "differentiable_page_scores",
+    "causal_page_counts",
     "PAGE_SIZE",
     "HEAD_DIM",
     "DEFAULT_TOPK",

@@ -188,26 +188,47 @@ class MiniMaxM3Attention(nn.Module):
             self.index_q_norm = MiniMaxM3RMSNorm(config.index_head_dim, config.rms_norm_eps)
             self.index_k_norm = MiniMaxM3RMSNorm(config.index_head_dim, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache: MiniMaxM3Cache, metadata: ForwardMetadata, page_selector: PageSelector):
+    def query_key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Attention ``q [T, heads, D]``, ``k`` and ``v [T, kv_heads, D]`` of the packed layer input ``x [T, hidden]``
+        (after ``input_layernorm``): q and k Gemma-normed and rotated, as attention reads them."""
         tokens = x.shape[0]
         q = norm_and_rope(self.q_norm, self.q_proj(x).view(tokens, self.num_heads, self.head_dim), cos, sin)
         k = norm_and_rope(self.k_norm, self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+    def index_query_key(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The indexer's ``q [T, index_n_heads, index_head_dim]`` and ``k [T, index_head_dim]`` of a sparse layer, in
+        the model dtype (Gemma norm, partial RoPE), before the cast to ``index_dtype``: differentiable, for training
+        the indexer; the forward pass casts them with ``to_index_dtype``."""
+        if not self.is_sparse:
+            raise ValueError(f"layer {self.layer_idx} is a full-attention layer: it has no indexer")
+        c = self.config
+        tokens = x.shape[0]
+        index_q = norm_and_rope(self.index_q_norm, self.index_q_proj(x).view(tokens, c.index_n_heads, c.index_head_dim), cos, sin)
+        index_k = norm_and_rope(self.index_k_norm, self.index_k_proj(x).view(tokens, 1, c.index_head_dim), cos, sin)[:, 0]
+        return index_q, index_k
+
+    def forward(self, x, cos, sin, cache: MiniMaxM3Cache, metadata: ForwardMetadata, page_selector: PageSelector):
+        tokens = x.shape[0]
+        q, k, v = self.query_key_value(x, cos, sin)
         keys = cache.write("keys", self.layer_idx, k, metadata.batch_index, metadata.positions)
         values = cache.write("values", self.layer_idx, v, metadata.batch_index, metadata.positions)
 
         selection = None
         if self.is_sparse:
             c = self.config
-            index_q = self.index_q_proj(x).view(tokens, c.index_n_heads, c.index_head_dim)
-            index_q = to_index_dtype(norm_and_rope(self.index_q_norm, index_q, cos, sin), c.index_dtype)
-            index_k = self.index_k_proj(x).view(tokens, 1, c.index_head_dim)
-            index_k = to_index_dtype(norm_and_rope(self.index_k_norm, index_k, cos, sin)[:, 0], c.index_dtype)
-            cache.write("index_keys", self.layer_idx, index_k, metadata.batch_index, metadata.positions)
-            if c.attention_mode == "sparse":
-                selection = page_selector.select(
-                    cache.index_pages(self.layer_idx), cache.block_table(x.device), index_q, metadata
-                )
+            # the selection is discrete, so no gradient reaches the indexer through it (it trains on a KL of its
+            # scores, through index_query_key); without a graph the index path also stays off autograd under training
+            with torch.no_grad():
+                index_q, index_k = self.index_query_key(x, cos, sin)
+                index_q = to_index_dtype(index_q, c.index_dtype)
+                index_k = to_index_dtype(index_k, c.index_dtype)
+                cache.write("index_keys", self.layer_idx, index_k, metadata.batch_index, metadata.positions)
+                if c.attention_mode == "sparse":
+                    selection = page_selector.select(
+                        cache.index_pages(self.layer_idx), cache.block_table(x.device), index_q, metadata
+                    )
         if selection is None:
             attended = dense_attention(q, keys, values, metadata, scale=self.scale)
         else:

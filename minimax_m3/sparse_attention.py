@@ -22,6 +22,8 @@ __all__ = [
     "PageSelector",
     "dense_attention",
     "dense_attention_page_mass",
+    "dense_attention_same_length_prefill",
+    "is_same_length_fresh_prefill",
     "sparse_attention_reference",
     "SPARSE_ATTENTION_FUNCTIONS",
     "get_sparse_attention_function",
@@ -127,7 +129,10 @@ def dense_attention(q, keys, values, metadata: ForwardMetadata, *, scale: float)
     bottom-right causal bias on CUDA (SDPA's flash kernel, no mask tensor) and, elsewhere, query chunks with an
     explicit ``[chunk, kv]`` mask, so no ``[S, S]`` tensor is ever built. Inputs are 4-D with the
     KV heads repeated per query head (as transformers' ``repeat_kv``) so SDPA can pick its flash kernel.
+    Several fresh sequences of one length go through SDPA as one batch (``dense_attention_same_length_prefill``).
     """
+    if is_same_length_fresh_prefill(metadata, batch_size=keys.shape[0]) and len(metadata.query_lengths) > 1:
+        return dense_attention_same_length_prefill(q, keys, values, scale=scale)
     output = torch.empty_like(q)
     group = q.shape[1] // keys.shape[2]
     for sequence, (start, count, kv_length) in enumerate(zip(metadata.query_starts, metadata.query_lengths, metadata.kv_lengths)):
@@ -157,6 +162,28 @@ def dense_attention(q, keys, values, metadata: ForwardMetadata, *, scale: float)
             attended = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale)
             output[start + begin : start + end] = attended[0].transpose(0, 1)
     return output
+
+
+def is_same_length_fresh_prefill(metadata: ForwardMetadata, *, batch_size: int) -> bool:
+    """Every one of the ``batch_size`` sequences brings the same number of new tokens and none has cached ones (a
+    training batch): the packed tokens are then a ``[batch, length]`` grid."""
+    lengths = metadata.query_lengths
+    return (len(lengths) == batch_size and lengths[0] > 0 and len(set(lengths)) == 1
+            and list(metadata.kv_lengths) == list(lengths))
+
+
+def dense_attention_same_length_prefill(q, keys, values, *, scale: float) -> torch.Tensor:
+    """``dense_attention`` of a same-length fresh prefill in one SDPA call over the batch: per-sequence calls
+    cost a kernel launch each, which dominates a training step of many short sequences."""
+    batch = keys.shape[0]
+    length = q.shape[0] // batch
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // keys.shape[2]
+    query = q.reshape(batch, length, num_heads, head_dim).transpose(1, 2)  # [B, H, L, D]
+    key = keys[:, :length].transpose(1, 2).repeat_interleave(group, dim=1)
+    value = values[:, :length].transpose(1, 2).repeat_interleave(group, dim=1)
+    attended = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale)
+    return attended.transpose(1, 2).reshape(batch * length, num_heads, head_dim)
 
 
 def dense_attention_page_mass(q, keys, positions, *, scale: float, page_size: int,

@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["VARIANTS", "RetrievalVariant", "make_documents", "write_variant", "main"]
+__all__ = ["VARIANTS", "RetrievalVariant", "make_documents", "write_variant", "main", "KV_LINE", "QUESTION", "PREAMBLE"]
 
 DATA_DIRECTORY = Path(__file__).resolve().parent / "data"
 
@@ -38,6 +38,9 @@ NOUNS = (
 )
 NUM_CHOICES = 4
 PREAMBLE = "Below is a list of keys and their values. Read it carefully: you will be asked for one value.\n"
+KV_LINE = "The value of {key} is {value}.\n"
+QUESTION = "Question: What is the value of {key}?\nAnswer:"
+"""The question the task YAMLs ask after the context (their ``doc_to_text``); the answer follows after a space."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ def make_documents(variant: RetrievalVariant) -> list:
         distractors = rng.sample([v for i, v in enumerate(values) if i != queried], NUM_CHOICES - 1)
         answer = rng.randrange(NUM_CHOICES)
         choices = distractors[:answer] + [values[queried]] + distractors[answer:]
-        lines = "".join(f"The value of {key} is {value}.\n" for key, value in zip(keys, values))
+        lines = "".join(KV_LINE.format(key=key, value=value) for key, value in zip(keys, values))
         documents.append(dict(context=PREAMBLE + lines, key=keys[queried], choices=choices, answer=answer,
                               depth=round(queried / max(1, variant.num_pairs - 1), 4), num_pairs=variant.num_pairs))
     return documents

@@ -1,0 +1,91 @@
+"""Training the indexer to imitate attention: the KL objective MiniMax describes for MiniMax Sparse Attention.
+
+Per sparse layer, query token and KV group (= index head), the target is the share of dense attention's
+probability mass on each causal page (the group's query heads summed, normalised to 1:
+``minimax_m3.sparse_attention.dense_attention_page_mass``), and the prediction the softmax over the indexer's
+page scores of the same causal pages (``indexer.differentiable_page_scores``: history pages as the indexer
+scores them, the local page over its causal keys). The loss is ``KL(target || prediction)`` averaged over rows.
+Only the indexer's projections and norms receive gradients; the rest of the model runs dense and frozen.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+
+from indexer import differentiable_page_scores
+from minimax_m3.sparse_attention import dense_attention_page_mass
+
+from .layer_inputs import SparseLayerInput, capture_sparse_layer_inputs, single_pass
+from .modes import attention_mode
+
+__all__ = ["INDEXER_PARAMETER_PREFIXES", "indexer_parameter_names", "page_distribution_kl", "layer_distillation_kl",
+           "indexer_distillation_loss"]
+
+INDEXER_PARAMETER_PREFIXES = ("index_q_proj", "index_k_proj", "index_q_norm", "index_k_norm")
+
+
+def indexer_parameter_names(model) -> List[str]:
+    """Names of the indexer's parameters (projections and norms of every sparse layer)."""
+    names = [name for name, _ in model.named_parameters()
+             if any(f"self_attn.{prefix}." in name for prefix in INDEXER_PARAMETER_PREFIXES)]
+    if not names:
+        raise ValueError("the model has no indexer parameters (no sparse attention layer)")
+    return names
+
+
+def page_distribution_kl(index_scores: torch.Tensor, attention_mass: torch.Tensor) -> torch.Tensor:
+    """``KL(attention_mass || softmax(index_scores))`` per row, over each row's causal pages: ``[rows...]``.
+
+    ``index_scores`` ``[..., pages]`` are ``-inf`` exactly on the pages after a row's own page (as
+    ``differentiable_page_scores`` returns them); ``attention_mass`` ``[..., pages]`` sums to 1 over the causal
+    pages and is 0 after them. The terms of non-causal pages are excluded before any arithmetic can turn their
+    ``0 * -inf`` into NaN, in the forward and the backward pass."""
+    if index_scores.shape != attention_mass.shape:
+        raise ValueError(f"index_scores {tuple(index_scores.shape)} and attention_mass {tuple(attention_mass.shape)} "
+                         f"must have the same shape")
+    causal = torch.isfinite(index_scores)
+    log_prediction = torch.log_softmax(index_scores, dim=-1)
+    target = attention_mass.to(log_prediction.dtype)
+    terms = torch.where(causal, torch.xlogy(target, target) - target * log_prediction, 0.0)
+    return terms.sum(-1)
+
+
+def layer_distillation_kl(layer_input: SparseLayerInput) -> torch.Tensor:
+    """Mean KL over the (token, KV group) rows of one sparse layer's captured forward; differentiable in the
+    layer's indexer parameters only (attention's q/k are recomputed without gradients)."""
+    attention = layer_input.attention
+    config = attention.config
+    x, cos, sin = layer_input.x, layer_input.cos, layer_input.sin
+    with torch.no_grad():
+        q, k, _ = attention.query_key_value(x, cos, sin)
+    index_q, index_k = attention.index_query_key(x, cos, sin)
+    total, rows = None, 0
+    for _, tokens, positions in layer_input.sequences():
+        with torch.no_grad():
+            mass = dense_attention_page_mass(q[tokens], k[tokens], positions, scale=attention.scale,
+                                             page_size=config.index_block_size)
+        scores = differentiable_page_scores(index_q[tokens], index_k[tokens], positions,
+                                            page_size=config.index_block_size)
+        kl = page_distribution_kl(scores, mass).sum()
+        total = kl if total is None else total + kl
+        rows += scores.shape[0] * scores.shape[1]
+    if total is None:
+        raise ValueError("the forward held no tokens")
+    return total / rows
+
+
+def indexer_distillation_loss(model, input_ids: torch.Tensor) -> Tuple[torch.Tensor, Dict[int, float]]:
+    """``(loss, {layer index: KL})``: the dense forward of ``input_ids`` ``[B, L]`` runs without gradients, with
+    the sparse layers' inputs captured; the loss is the sum over sparse layers of their mean KL (each layer's
+    indexer parameters see only their own layer's term)."""
+    with attention_mode(model, "dense"), capture_sparse_layer_inputs(model) as captured, torch.no_grad():
+        model.model(input_ids=input_ids, use_cache=False)
+    per_layer = {}
+    loss = None
+    for layer_input in single_pass(model, captured):
+        kl = layer_distillation_kl(layer_input)
+        per_layer[layer_input.layer_index] = float(kl.detach())
+        loss = kl if loss is None else loss + kl
+    return loss, per_layer
