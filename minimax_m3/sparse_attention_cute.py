@@ -16,19 +16,18 @@ __all__ = ["cute_sparse_attention_supported", "page_unions", "own_cache_slots", 
 _PAGE_SIZE = 128
 _HEAD_DIM = 128
 _TILE_ROWS = 128
+_HEADS_PER_GROUP = 16
 _UNION_PAGE_LIMIT = 1 << 24
 
 
 def cute_sparse_attention_supported(q: torch.Tensor, keys: torch.Tensor, page_size: int) -> bool:
-    """Whether the SM90 kernel serves this geometry: bf16 on an SM90 GPU, pages of 128 keys, head dim 128 and a
-    query-heads-per-KV-group count that packs whole tokens into 128-row tiles (M3: 16)."""
+    """Whether the SM90 kernel serves this geometry: bf16 on an SM90 GPU, pages of 128 keys, head dim 128 and 16
+    query heads per KV group (M3's)."""
     if not (q.is_cuda and q.dtype == torch.bfloat16 and keys.dtype == torch.bfloat16 and dsl_available()):
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
-    group = q.shape[1] // keys.shape[2]
-    return (page_size == _PAGE_SIZE and q.shape[2] == _HEAD_DIM and q.shape[1] % keys.shape[2] == 0
-            and _TILE_ROWS % group == 0 and _TILE_ROWS // group <= 8)
+    return (page_size == _PAGE_SIZE and q.shape[2] == _HEAD_DIM and q.shape[1] == _HEADS_PER_GROUP * keys.shape[2])
 
 
 def own_cache_slots(batch_index: torch.Tensor, positions: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -71,7 +70,7 @@ def sparse_attention_cute(q, keys, values, selection, metadata, *, scale: float,
     if not cute_sparse_attention_supported(q, keys, page_size):
         raise ValueError(
             "sparse_attention_implementation='cute' needs bf16 q/k/v on an SM90 GPU with nvidia-cutlass-dsl, pages of "
-            f"128 keys, head_dim 128 and at most 8 tokens per 128 rows; got q {tuple(q.shape)} {q.dtype} on {q.device}, "
+            f"128 keys, head_dim 128 and 16 query heads per KV group; got q {tuple(q.shape)} {q.dtype} on {q.device}, "
             f"keys {tuple(keys.shape)}, page_size {page_size}"
         )
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, keys, values)):
@@ -79,6 +78,9 @@ def sparse_attention_cute(q, keys, values, selection, metadata, *, scale: float,
     batch, capacity, num_kv_heads, head_dim = keys.shape
     if values.shape != keys.shape or not keys.is_contiguous() or not values.is_contiguous():
         raise ValueError(f"keys and values must be contiguous caches of one shape, got {tuple(keys.shape)} and {tuple(values.shape)}")
+    if selection.dtype not in (torch.int32, torch.int64) or selection.shape[:2] != (q.shape[0], num_kv_heads):
+        raise ValueError(f"selection must be integer [tokens={q.shape[0]}, kv_heads={num_kv_heads}, topk], got "
+                         f"{tuple(selection.shape)} {selection.dtype}")
     pages_per_sequence = capacity // page_size
     if capacity % page_size or batch * capacity >= 2**31 or batch * pages_per_sequence >= _UNION_PAGE_LIMIT:
         raise ValueError(f"the cache [{batch}, {capacity}] must hold whole pages, fewer than 2^31 slots and 2^24 pages")

@@ -57,3 +57,13 @@ def test_own_cache_slots_are_batch_times_capacity_plus_position():
     batch_index = torch.tensor([0, 0, 2, 5])
     positions = torch.tensor([0, 7, 130, 1023])
     assert own_cache_slots(batch_index, positions, 1024).tolist() == [0, 7, 2178, 6143]
+
+
+def test_the_kernel_takes_m3s_sixteen_heads_per_group_only():
+    import pytest
+
+    from minimax_m3.kernels.sparse_attention_sm90 import SparseAttentionSm90
+
+    assert SparseAttentionSm90(16).tokens_per_tile == 8
+    with pytest.raises(ValueError, match="heads_per_group must be 16"):
+        SparseAttentionSm90(32)

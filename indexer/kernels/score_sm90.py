@@ -21,6 +21,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from .pipelines import make_tma_pipeline
 
 from ..planner import PAGE_BEGIN_MASK, PAGE_COUNT_MASK, PAGE_COUNT_SHIFT, TOKENS_MASK, TOKENS_SHIFT, DescriptorWord
 
@@ -221,8 +222,8 @@ class PageScoreKernelSm90:
             cpasync.prefetch_descriptor(tma_atom_k)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        q_pipeline = self._tma_pipeline(storage.q_barriers.data_ptr(), self.q_stages, self.q_tile_bytes)
-        k_pipeline = self._tma_pipeline(storage.k_barriers.data_ptr(), self.k_stages, self.page_bytes)
+        q_pipeline = self._ring(storage.q_barriers.data_ptr(), self.q_stages, self.q_tile_bytes)
+        k_pipeline = self._ring(storage.k_barriers.data_ptr(), self.k_stages, self.page_bytes)
         pipeline.pipeline_init_arrive()
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -239,17 +240,9 @@ class PageScoreKernelSm90:
             self.score(tiled_mma, sQ, sK, mScores, mDescriptors, q_pipeline, k_pipeline,
                        tidx - self.threads_per_warpgroup, cta_idx, num_ctas, num_tasks)
 
-    def _tma_pipeline(self, barriers, stages: int, stage_bytes: int):
-        """A TMA-filled ring: one producer thread arms each stage, every consumer warp releases it."""
+    def _ring(self, barriers, stages: int, stage_bytes: int):
         consumer_warps = self.num_consumer_warpgroups * self.threads_per_warpgroup // 32
-        return pipeline.PipelineTmaAsync.create(
-            barrier_storage=barriers,
-            num_stages=stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
-            tx_count=stage_bytes,
-            defer_sync=True,
-        )
+        return make_tma_pipeline(barriers, stages, stage_bytes, consumer_warps)
 
     @cute.jit
     def load(self, tma_atom_q, mQ, tma_atom_k, mK, sQ, sK, mBlockTable, mDescriptors,

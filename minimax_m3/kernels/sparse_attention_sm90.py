@@ -27,6 +27,8 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from indexer.kernels.pipelines import make_tma_pipeline
+
 __all__ = ["SparseAttentionSm90", "UNION_PAGE_BITS", "UNION_TOKEN_SHIFT"]
 
 UNION_PAGE_BITS = 24
@@ -52,15 +54,18 @@ class SparseAttentionSm90:
     tile_rows = 128
     threads_per_warpgroup = 128
     consumer_warpgroups = 2
+    heads_per_warp = 16
 
     def __init__(self, heads_per_group: int, *, kv_stages: int = 2):
-        if heads_per_group <= 0 or self.tile_rows % heads_per_group or self.tile_rows // heads_per_group > 8:
-            raise ValueError(f"heads_per_group must divide 128 into at most 8 tokens, got {heads_per_group}")
+        if heads_per_group != self.heads_per_warp:
+            # a warp's 16 accumulator rows are then exactly one token: the per-row masks and the per-warpgroup page
+            # skip rely on it (M3: 64 query heads over 4 KV heads)
+            raise ValueError(f"heads_per_group must be {self.heads_per_warp} (query heads per KV group), got {heads_per_group}")
         if not 2 <= kv_stages <= 3:
             raise ValueError(f"kv_stages must be 2 or 3, got {kv_stages}")
         self.heads_per_group = heads_per_group
         self.tokens_per_tile = self.tile_rows // heads_per_group
-        self.tokens_per_warpgroup = max(1, 64 // heads_per_group)
+        self.tokens_per_warpgroup = 64 // heads_per_group
         self.kv_stages = kv_stages
         self.dtype = cutlass.BFloat16
         self.threads_per_cta = (1 + self.consumer_warpgroups) * self.threads_per_warpgroup
@@ -175,8 +180,8 @@ class SparseAttentionSm90:
             cpasync.prefetch_descriptor(tma_atom_v)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        q_pipeline = self._tma_pipeline(storage.q_barriers.data_ptr(), 1, self.tile_rows * self.head_dim * 2)
-        kv_pipeline = self._tma_pipeline(storage.kv_barriers.data_ptr(), self.kv_stages, 2 * self.page_bytes)
+        q_pipeline = self._ring(storage.q_barriers.data_ptr(), 1, self.tile_rows * self.head_dim * 2)
+        kv_pipeline = self._ring(storage.kv_barriers.data_ptr(), self.kv_stages, 2 * self.page_bytes)
         pipeline.pipeline_init_arrive()
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
@@ -194,17 +199,9 @@ class SparseAttentionSm90:
             self.attend(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, mO, mUnion, mOwnSlot, scale_log2,
                         q_pipeline, kv_pipeline, tidx - self.threads_per_warpgroup, tile, group, page_count)
 
-    def _tma_pipeline(self, barriers, stages: int, stage_bytes: int):
-        """A TMA-filled ring: one producer thread arms each stage, every consumer warp releases it."""
+    def _ring(self, barriers, stages: int, stage_bytes: int):
         consumer_warps = self.consumer_warpgroups * self.threads_per_warpgroup // 32
-        return pipeline.PipelineTmaAsync.create(
-            barrier_storage=barriers,
-            num_stages=stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
-            tx_count=stage_bytes,
-            defer_sync=True,
-        )
+        return make_tma_pipeline(barriers, stages, stage_bytes, consumer_warps)
 
     @cute.jit
     def load(self, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV, mUnion,

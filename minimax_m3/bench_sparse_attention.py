@@ -1,0 +1,102 @@
+"""The sparse-attention function alone at M3's attention geometry: ``python -m minimax_m3.bench_sparse_attention``.
+
+One layer, one sequence: q ``[L, 64, 128]``, a K/V cache ``[1, L, 4, 128]`` (bf16), and two kinds of selections:
+``clustered`` (a trained model's locality, ``bench_prefill.clustered_selection``) and ``random`` (the local page plus
+15 uniform history pages per (token, KV group)). Times the CuTe kernel (page unions included), FlexAttention (up to
+``--flex-max-length``) and, as the baseline in the same run, dense SDPA of the same layer: CUDA events, one warm-up,
+median of ``--repeats``. "useful" TFLOP/s count 16 pages x 128 keys per (token, head), QK and PV. Needs an SM90 GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from .bench_prefill import clustered_selection
+from .sparse_attention import ForwardMetadata, dense_attention, sparse_attention_flex
+from .sparse_attention_cute import cute_sparse_attention_supported, page_unions, sparse_attention_cute
+
+PAGE, TOPK, HEADS, KV_HEADS, DIM = 128, 16, 64, 4, 128
+
+
+def random_selection(length: int, device) -> torch.Tensor:
+    """``[length, KV_HEADS, TOPK]``: the local page plus up to 15 distinct uniform history pages (-1 padded)."""
+    out = torch.empty(length, KV_HEADS, TOPK, dtype=torch.int32, device=device)
+    pages = -(-length // PAGE)
+    for begin in range(0, length, 8192):
+        end = min(length, begin + 8192)
+        local = torch.arange(begin, end, device=device) // PAGE
+        draw = torch.rand(end - begin, KV_HEADS, pages, device=device)
+        draw = torch.where(torch.arange(pages, device=device)[None, None] < local[:, None, None], draw, -1.0)
+        values, indices = draw.topk(TOPK - 1, dim=-1)
+        out[begin:end, :, : TOPK - 1] = torch.where(values >= 0, indices, -1).int()
+        out[begin:end, :, TOPK - 1] = local[:, None].int()
+    return out
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def bench(length: int, repeats: int, flex_max_length: int) -> list:
+    device = "cuda"
+    q = torch.randn(length, HEADS, DIM, device=device, dtype=torch.bfloat16)
+    keys = torch.randn(1, length, KV_HEADS, DIM, device=device, dtype=torch.bfloat16)
+    values = torch.randn(1, length, KV_HEADS, DIM, device=device, dtype=torch.bfloat16)
+    metadata = ForwardMetadata(torch.zeros(length, dtype=torch.long, device=device), torch.arange(length, device=device),
+                               [length], [length], [0])
+    scale = DIM ** -0.5
+    dense_ms = _median_ms(lambda: dense_attention(q, keys, values, metadata, scale=scale), repeats)
+    rows = []
+    for name, selection in (("clustered", clustered_selection(length, KV_HEADS, TOPK, PAGE, device)),
+                            ("random", random_selection(length, device))):
+        _, count = page_unions(selection, metadata.batch_index, length // PAGE, 128 // (HEADS // KV_HEADS))
+        cute_ms = _median_ms(lambda: sparse_attention_cute(q, keys, values, selection, metadata, scale=scale, page_size=PAGE), repeats)
+        flex_ms = (_median_ms(lambda: sparse_attention_flex(q, keys, values, selection, metadata, scale=scale, page_size=PAGE),
+                              max(1, repeats // 2)) if length <= flex_max_length else None)
+        useful_tflop = length * HEADS * TOPK * PAGE * DIM * 4 / 1e12
+        rows.append(dict(length=length, selection=name, mean_union_pages=count.float().mean().item(), cute_ms=cute_ms,
+                         flex_ms=flex_ms, dense_ms=dense_ms, cute_useful_tflops=useful_tflop / (cute_ms / 1e3),
+                         dense_over_cute=dense_ms / cute_ms))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="32768,131072")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--flex-max-length", type=int, default=32768, help="longer lengths skip FlexAttention (slow)")
+    parser.add_argument("--output", default=None, help="JSON results path")
+    args = parser.parse_args(argv)
+    probe = torch.empty(1, HEADS, DIM, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu")
+    if not cute_sparse_attention_supported(probe, probe.new_empty(1, 1, KV_HEADS, DIM), PAGE):
+        sys.exit("bench_sparse_attention needs an SM90 GPU (H100/H200) with nvidia-cutlass-dsl")
+    rows = [row for length in (int(x) for x in args.lengths.split(",")) for row in bench(length, args.repeats, args.flex_max_length)]
+    if args.output:
+        with open(args.output, "w") as handle:
+            json.dump(rows, handle, indent=1)
+    print("\n| length | selection | mean union pages per tile | cute ms | FlexAttention ms | dense SDPA ms | cute useful TFLOP/s | dense / cute |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        flex = "-" if r["flex_ms"] is None else f"{r['flex_ms']:.2f}"
+        print(f"| {r['length']} | {r['selection']} | {r['mean_union_pages']:.1f} | {r['cute_ms']:.2f} | {flex} | "
+              f"{r['dense_ms']:.2f} | {r['cute_useful_tflops']:.0f} | {r['dense_over_cute']:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()
