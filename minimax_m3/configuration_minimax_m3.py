@@ -40,6 +40,8 @@ _FLAT_ONLY_KEYS = ("index_n_heads", "index_head_dim", "index_block_size", "index
 _NESTED_ONLY_KEYS = ("sparse_attention_config", "moe_layer_freq")
 _INDEX_DTYPES = ("float8_e4m3fn", "bfloat16", "float32")
 _ATTENTION_MODES = ("sparse", "dense")
+_MOE_IMPLEMENTATIONS = ("sparse", "all_experts")
+_PAGE_SELECTIONS = ("indexer", "recent")
 _COMPOSITE_TYPES = ("minimax_m3_vl",)
 
 
@@ -57,6 +59,13 @@ class MiniMaxM3Config(PreTrainedConfig):
         indexer_backend (`str`, defaults to `"auto"`): `backend` of the indexer wrapper.
         max_score_buffer_bytes (`int`, defaults to 8 GiB): bound on the indexer's score buffer (`T * H * pages`
             fp32, the only allocation that grows faster than the context); longer prompts run in query chunks.
+        page_selection (`str`, defaults to `"indexer"`): how sparse layers choose their pages. `"indexer"` is
+            MiniMax Sparse Attention; `"recent"` takes the `index_topk_blocks` most recent pages (the local page
+            and the pages right before it): the sliding-window baseline of the accuracy evaluation.
+        moe_implementation (`str`, defaults to `"sparse"`): how routed experts run. `"sparse"` runs each expert on
+            the tokens routed to it (the host learns which experts were chosen: one synchronisation per expert);
+            `"all_experts"` runs every expert on every token and weights the unchosen ones by zero: the same result
+            without host synchronisation, for models with a few small experts (training the tiny models).
     """
 
     model_type = "minimax_m3"
@@ -106,6 +115,8 @@ class MiniMaxM3Config(PreTrainedConfig):
         sparse_attention_implementation: str = "auto",
         indexer_backend: str = "auto",
         max_score_buffer_bytes: int = 8 << 30,
+        moe_implementation: str = "sparse",
+        page_selection: str = "indexer",
         pad_token_id: Optional[int] = None,
         bos_token_id: Optional[int] = 200034,
         eos_token_id: Optional[int] = 200020,
@@ -138,6 +149,12 @@ class MiniMaxM3Config(PreTrainedConfig):
         self.sparse_attention_implementation = sparse_attention_implementation
         self.indexer_backend = indexer_backend
         self.max_score_buffer_bytes = max_score_buffer_bytes
+        if moe_implementation not in _MOE_IMPLEMENTATIONS:
+            raise ValueError(f"moe_implementation must be one of {_MOE_IMPLEMENTATIONS}, got {moe_implementation!r}")
+        self.moe_implementation = moe_implementation
+        if page_selection not in _PAGE_SELECTIONS:
+            raise ValueError(f"page_selection must be one of {_PAGE_SELECTIONS}, got {page_selection!r}")
+        self.page_selection = page_selection
 
         self.spelling = "nested" if sparse_attention_config is not None else "flat"
         sparse = dict(sparse_attention_config or {})

@@ -151,6 +151,11 @@ class MiniMaxM3SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         chosen, weights = self.route(x)
+        if self.config.moe_implementation == "all_experts":
+            expert_weights = torch.zeros(*x.shape[:-1], len(self.experts), dtype=torch.float32, device=x.device)
+            expert_weights.scatter_(-1, chosen, weights)
+            routed = sum(expert(x).float() * expert_weights[..., index, None] for index, expert in enumerate(self.experts))
+            return (routed + self.shared_experts(x).float()).to(x.dtype)
         routed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for expert_id in torch.unique(chosen).tolist():
             tokens, slot = torch.nonzero(chosen == expert_id, as_tuple=True)

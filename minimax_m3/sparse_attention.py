@@ -24,6 +24,7 @@ __all__ = [
     "dense_attention_page_mass",
     "dense_attention_same_length_prefill",
     "is_same_length_fresh_prefill",
+    "recent_page_selection",
     "sparse_attention_reference",
     "SPARSE_ATTENTION_FUNCTIONS",
     "get_sparse_attention_function",
@@ -59,6 +60,17 @@ def to_index_dtype(x: torch.Tensor, index_dtype: str) -> torch.Tensor:
     return x.to(getattr(torch, index_dtype))
 
 
+def recent_page_selection(positions: torch.Tensor, num_heads: int, *, page_size: int, topk: int) -> torch.Tensor:
+    """The sliding-window baseline in the indexer's output format: ``[T, num_heads, topk]`` int32, per token at
+    absolute position ``p`` with ``n = p // page_size + 1`` causal pages: ``[0 .. n-1, -1 ..]`` when ``n <= topk``,
+    else the ``topk - 1`` pages before the local page, then the local page ``n - 1`` in the last slot."""
+    valid = positions.to(torch.int64) // page_size + 1
+    slots = torch.arange(topk, device=positions.device)
+    window = (valid - topk).clamp(min=0)[:, None] + slots  # the topk most recent pages, oldest first
+    selection = torch.where(slots < valid[:, None], window, -1).to(torch.int32)
+    return selection[:, None, :].expand(-1, num_heads, -1).contiguous()
+
+
 class PageSelector:
     """Runs the indexer for the sparse layers: one plan per forward and device, one score buffer per device.
 
@@ -86,6 +98,9 @@ class PageSelector:
     def select(self, layer_cache_pages: torch.Tensor, block_table: torch.Tensor, index_q: torch.Tensor,
                metadata: ForwardMetadata) -> torch.Tensor:
         """``[T, H, topk]`` int32 logical page ids for the packed index queries ``index_q [T, H, D]``."""
+        if self.config.page_selection == "recent":
+            return recent_page_selection(metadata.positions, index_q.shape[1], page_size=self.config.index_block_size,
+                                         topk=self.config.index_topk_blocks)
         device = index_q.device
         wrapper = self._wrappers.get(device)
         if wrapper is None:

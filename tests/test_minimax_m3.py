@@ -8,6 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import minimax_m3  # noqa: F401  (registers the Auto classes)
 from minimax_m3 import MiniMaxM3Config, MiniMaxM3ForCausalLM
+from minimax_m3.sparse_attention import recent_page_selection
 from minimax_m3.modeling_minimax_m3 import (
     CACHE_FIELD,
     MiniMaxM3RMSNorm,
@@ -94,6 +95,7 @@ def test_official_composite_config_yields_the_text_config(tmp_path):
         (dict(sparse_attention_config={**SPARSE_CONFIG, "sparse_local_block": 2}), "index_local_blocks"),
         (dict(index_dtype="int8"), "index_dtype"),
         (dict(attention_mode="linear"), "attention_mode"),
+        (dict(moe_implementation="grouped"), "moe_implementation"),
     ],
 )
 def test_bad_configs_raise_clear_errors(overrides, match):
@@ -146,6 +148,25 @@ def test_router_selects_with_bias_and_weights_without_it():
     expected = p.gather(1, chosen) / p.gather(1, chosen).sum(1, keepdim=True) * 2.0
     torch.testing.assert_close(weights, expected)
     assert block.gate.weight.dtype == torch.float32 and block.e_score_correction_bias.dtype == torch.float32
+
+
+@pytest.mark.parametrize("moe_implementation", ["sparse", "all_experts"])
+def test_moe_block_matches_per_token_expert_sum(moe_implementation):
+    config = tiny_config(moe_implementation=moe_implementation)
+    torch.manual_seed(3)
+    block = MiniMaxM3SparseMoeBlock(config)
+    with torch.no_grad():
+        block.gate.weight.normal_()
+    x = torch.randn(2, 5, config.hidden_size)
+    chosen, weights = block.route(x)
+    expected = torch.stack([
+        torch.stack([
+            sum(weights[b, t, k] * block.experts[int(chosen[b, t, k])](x[b, t]) for k in range(chosen.shape[-1]))
+            + block.shared_experts(x[b, t])
+            for t in range(x.shape[1])])
+        for b in range(x.shape[0])])
+    flat = x.flatten(0, 1) if moe_implementation == "sparse" else x  # the loop indexes tokens of a packed batch
+    torch.testing.assert_close(block(flat).reshape(x.shape), expected, atol=1e-5, rtol=1e-5)
 
 
 # ------------------------------------------------------------------ attention modes, cache, padding
@@ -214,6 +235,25 @@ def test_left_padding_is_anchored_per_sequence():
     torch.testing.assert_close(padded.logits[1, 9:], alone.logits[0], atol=1e-5, rtol=0)
     for batched, single in zip(padded.page_selections, alone.page_selections):
         assert torch.equal(batched[1, 9:], single[0])
+
+
+def test_recent_page_selection_is_the_sliding_window_in_the_indexer_format():
+    positions = torch.tensor([0, 7, 8, 23, 24, 60])
+    selection = recent_page_selection(positions, 2, page_size=8, topk=3)
+    expected = [[0, -1, -1], [0, -1, -1], [0, 1, -1], [0, 1, 2], [1, 2, 3], [5, 6, 7]]
+    assert selection.dtype == torch.int32 and selection.shape == (6, 2, 3)
+    assert selection[:, 0].tolist() == expected and torch.equal(selection[:, 0], selection[:, 1])
+
+
+def test_recent_page_selection_model_attends_to_the_last_pages_only():
+    recent = tiny_model(page_selection="recent")
+    ids = torch.randint(3, 97, (1, 50))
+    selections = recent(ids, output_page_selections=True).page_selections
+    for selection in selections:
+        for t, expected in ((5, [0, -1, -1]), (30, [1, 2, 3]), (49, [4, 5, 6])):
+            assert selection[0, t, 0].tolist() == expected and selection[0, t, 1].tolist() == expected
+    indexer = tiny_model()  # same weights: only the selection differs
+    assert (recent(ids).logits[0, 40:] - indexer(ids).logits[0, 40:]).abs().max() > 1e-4
 
 
 def test_page_selections_are_observable_and_follow_the_contract():

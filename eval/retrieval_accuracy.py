@@ -1,0 +1,383 @@
+"""Retrieval accuracy per context length, dense vs sparse variants of one model, with the indexer's recall:
+``python -m eval.retrieval_accuracy``.
+
+The documents are the bundled retrieval task's kind (``eval.synthetic_retrieval``: key-value lines or one pass key
+in public-domain text, the question at the end), generated deterministically per length from ``--seed``, and
+scored as lm-eval scores a ``multiple_choice`` task: the log-likelihood of each choice (``" " + value``) after the
+context, tokenised as lm-eval's causal ``HFLM`` does (``encode_pair``), accuracy = argmax is the answer.
+``retrieval_length_task`` writes the same documents as an lm-eval task (YAML + JSONL), so on CPU lm-eval and this
+loop can be run on identical data (``tests/test_eval_retrieval_accuracy.py`` checks that they agree document by
+document); this loop is what runs on the GPU machine, where lm-eval is not installed.
+
+Variants (``VARIANTS``), all on the same weights: ``dense`` (every layer full attention), ``sparse`` (the trained
+indexer, FP8 index path as served), ``sparse-bf16-index`` (the index path in bf16), ``untrained-indexer`` (the
+indexer's projections and norms re-initialised, FP8) and ``sliding-window`` (the 16 most recent pages:
+``page_selection="recent"``). Per length and variant: accuracy per task, the paired exact McNemar p-value against
+``dense`` and, for the sparse variants, the recall of each sparse layer (``eval.recall``: the share of dense
+attention mass in the selected pages) on the first ``--recall-documents`` documents.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import logging
+import random
+import re
+import sys
+import time
+from pathlib import Path
+from dataclasses import replace
+from typing import List, Optional, Sequence
+
+import torch
+
+from .layer_inputs import capture_sparse_layer_inputs, single_pass
+from .modes import attention_mode
+from .recall import RecallAccumulator
+from .report import format_table, write_json
+from .stats import mcnemar_exact_p_value
+from .synthetic_retrieval import TASKS, VALUE_DIGITS, RetrievalDataConfig, RetrievalDataGenerator
+
+__all__ = ["LENGTHS", "VARIANTS", "NUM_CHOICES", "make_documents", "retrieval_length_task", "encode_pair",
+           "choice_loglikelihoods", "evaluate_variant", "evaluate_retrieval_accuracy", "accuracy_table",
+           "recall_table", "main"]
+
+logger = logging.getLogger(__name__)
+
+LENGTHS = (2048, 8192, 16384, 32768)
+VARIANTS = ("dense", "sparse", "sparse-bf16-index", "untrained-indexer", "sliding-window")
+NUM_CHOICES = 6  # the answer and five distractors: the document's other values (key-value) or random ones
+DATA_CONFIG = RetrievalDataConfig(queries=1, max_pairs=64, min_answer_distance=256)
+SEED = 20261202
+_VALUE_LINE = re.compile(r"The value of \S+ is (\d{%d})\." % VALUE_DIGITS)
+
+
+# ---------------------------------------------------------------------------------------------- documents
+def make_documents(tokenizer, length: int, count: int, seed: int = SEED, tasks: Sequence[str] = TASKS) -> List[dict]:
+    """``count`` multiple-choice documents of about ``length`` tokens per task of ``tasks``: ``context`` ends with
+    ``"Answer:"``, ``choices`` are five-digit values, ``answer`` the index of the right one, ``needle_distance`` the
+    tokens between the answering line's value and the end of the context."""
+    unknown = [task for task in tasks if task not in TASKS]
+    if unknown:
+        raise ValueError(f"unknown task(s) {unknown}: expected names among {TASKS}")
+    documents = []
+    for task in tasks:
+        weights = tuple(int(name == task) for name in TASKS)
+        generator = RetrievalDataGenerator(tokenizer, replace(DATA_CONFIG, task_weights=weights))
+        rng = random.Random(f"{seed}/retrieval-accuracy/{task}/{length}")
+        for _ in range(count):
+            ids, [(_, needle, answer_start)] = generator.sample_document(rng, length)
+            value = tokenizer.decode(ids[answer_start: answer_start + VALUE_DIGITS])
+            context = tokenizer.decode(ids[: answer_start - 1])  # drops the space before the value: lm-eval adds it
+            others = sorted(set(_VALUE_LINE.findall(context)) - {value}) if task == "key_value" else []
+            distractors = rng.sample(others, min(NUM_CHOICES - 1, len(others)))
+            while len(distractors) < NUM_CHOICES - 1:
+                candidate = str(rng.randrange(10 ** (VALUE_DIGITS - 1), 10 ** VALUE_DIGITS))
+                if candidate != value and candidate not in distractors:
+                    distractors.append(candidate)
+            choices = distractors + [value]
+            rng.shuffle(choices)
+            documents.append({"doc_id": len(documents), "task": task, "length": length, "context": context,
+                              "choices": choices, "answer": choices.index(value),
+                              "needle_distance": answer_start - 1 - needle})
+    return documents
+
+
+def retrieval_length_task(directory: Path, name: str, documents: Sequence[dict]) -> Path:
+    """Write ``documents`` as the lm-eval ``multiple_choice`` task ``name`` (``name.yaml`` + ``name.jsonl``)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    data = directory / f"{name}.jsonl"
+    data.write_text("".join(json.dumps(document) + "\n" for document in documents), encoding="utf-8")
+    task = (f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {json.dumps(str(data))}\n"
+            "test_split: test\noutput_type: multiple_choice\ndoc_to_text: \"{{context}}\"\ndoc_to_choice: choices\n"
+            "doc_to_target: answer\nmetric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+            "metadata:\n  version: 1.0\n")
+    path = directory / f"{name}.yaml"
+    path.write_text(task, encoding="utf-8")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- scoring
+def encode_pair(tokenizer, context: str, continuation: str):
+    """``(context ids, continuation ids)`` as lm-eval's causal models encode a request: trailing spaces of the
+    context move to the continuation, the whole string is encoded and split after the context's own encoding."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    whole = tokenizer.encode(context + continuation)
+    context_ids = tokenizer.encode(context)
+    return context_ids, whole[len(context_ids):]
+
+
+def choice_loglikelihoods(model, tokenizer, document: dict, *, recall: Optional[RecallAccumulator] = None) -> List[float]:
+    """Log-likelihood of each choice after the document's context: one forward of the choices as a batch (they
+    share their token count), the LM head only on the continuation positions. With ``recall`` (sparse modes), the
+    answer's row also adds its sparse layers' recall."""
+    pairs = [encode_pair(tokenizer, document["context"], " " + choice) for choice in document["choices"]]
+    lengths = {len(context) + len(continuation) for context, continuation in pairs}
+    device = model.get_input_embeddings().weight.device
+    scores: List[float] = []
+    for width in sorted(lengths):  # normally one group: every choice has the same number of digits
+        members = [i for i, (c, k) in enumerate(pairs) if len(c) + len(k) == width]
+        ids = torch.tensor([(pairs[i][0] + pairs[i][1])[:-1] for i in members], dtype=torch.int64, device=device)
+        with torch.no_grad():
+            hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+            for row, i in enumerate(members):
+                continuation = pairs[i][1]
+                logits = model.lm_head(hidden[row, -len(continuation):]).float()
+                target = torch.tensor(continuation, device=device)
+                scores.append((i, float(torch.log_softmax(logits, -1).gather(-1, target[:, None]).sum())))
+    if recall is not None:
+        context, continuation = pairs[document["answer"]]
+        ids = torch.tensor([(context + continuation)[:-1]], dtype=torch.int64, device=device)
+        with capture_sparse_layer_inputs(model) as captured, torch.no_grad():
+            output = model.model(input_ids=ids, use_cache=False, output_page_selections=True)
+        for layer_input, selection in zip(single_pass(model, captured), output.page_selections):
+            recall.add(layer_input, selection.flatten(0, 1))
+    return [score for _, score in sorted(scores)]
+
+
+@contextlib.contextmanager
+def variant(model, name: str, seed: int = SEED):
+    """``model`` set up as variant ``name`` for the block (the untrained indexer is a re-initialised copy)."""
+    if name not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {name!r}")
+    if name == "untrained-indexer":
+        model = copy.deepcopy(model)
+        generator_state = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        for layer in model.model.layers:
+            attention = layer.self_attn
+            if attention.is_sparse:
+                for module in (attention.index_q_proj, attention.index_k_proj, attention.index_q_norm,
+                               attention.index_k_norm):
+                    model._init_weights(module)
+        torch.random.set_rng_state(generator_state)
+    mode = "dense" if name == "dense" else "sparse"
+    config = model.config
+    saved = (config.index_dtype, config.page_selection)
+    config.index_dtype = "bfloat16" if name == "sparse-bf16-index" else "float8_e4m3fn"
+    config.page_selection = "recent" if name == "sliding-window" else "indexer"
+    try:
+        with attention_mode(model, mode):
+            yield model
+    finally:
+        config.index_dtype, config.page_selection = saved
+
+
+def evaluate_variant(model, tokenizer, documents: Sequence[dict], name: str, *, recall_documents: int = 0,
+                     progress=None) -> dict:
+    """Per-document correctness and log-likelihoods of variant ``name``; for the sparse variants, recall over the
+    first ``recall_documents`` documents of each task."""
+    accumulator = RecallAccumulator() if name != "dense" and recall_documents > 0 else None
+    correct, loglikelihoods, seen = [], [], {}
+    with variant(model, name) as configured:
+        for document in documents:
+            index = seen[document["task"]] = seen.get(document["task"], -1) + 1
+            scores = choice_loglikelihoods(configured, tokenizer, document,
+                                           recall=accumulator if index < recall_documents else None)
+            loglikelihoods.append(scores)
+            correct.append(max(range(len(scores)), key=lambda i: (scores[i], -i)) == document["answer"])
+            if progress is not None:
+                progress.update(1)
+    result = {"correct": correct, "loglikelihoods": loglikelihoods}
+    if accumulator is not None:
+        result["recall"] = [layer.as_dict() for layer in accumulator.result()]
+    return result
+
+
+def summarize(documents: Sequence[dict], outcome: dict, dense: Optional[dict]) -> dict:
+    summary = {"accuracy": sum(outcome["correct"]) / len(documents), "documents": len(documents), "by_task": {}}
+    for task in TASKS:
+        picked = [ok for ok, document in zip(outcome["correct"], documents) if document["task"] == task]
+        if picked:
+            summary["by_task"][task] = {"accuracy": sum(picked) / len(picked), "documents": len(picked)}
+    if dense is not None:
+        only_dense = sum(d and not s for d, s in zip(dense["correct"], outcome["correct"]))
+        only_this = sum(s and not d for d, s in zip(dense["correct"], outcome["correct"]))
+        summary["versus_dense"] = {"only_dense_correct": only_dense, "only_this_correct": only_this,
+                                   "mcnemar_p": mcnemar_exact_p_value(only_dense, only_this)}
+    if "recall" in outcome:
+        summary["recall"] = outcome["recall"]
+    return summary
+
+
+def evaluate_retrieval_accuracy(model, tokenizer, *, lengths: Sequence[int] = LENGTHS, documents: int = 16,
+                                tasks: Sequence[str] = TASKS, variants: Sequence[str] = VARIANTS,
+                                recall_documents: int = 4, seed: int = SEED,
+                                show_progress: bool = True, after_length=None) -> dict:
+    """The whole comparison: ``{"lengths": {length: {variant: summary}}, "documents": {length: [...]}}``.
+    ``after_length(partial result)`` is called as each length completes (``"complete": False`` until the last)."""
+    from tqdm.auto import tqdm
+
+    unknown = [name for name in variants if name not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown}: expected names among {VARIANTS}")
+    if "dense" not in variants:
+        raise ValueError("variants must include 'dense' (the paired baseline)")
+    variants = ["dense"] + [name for name in variants if name != "dense"]
+    per_length, outcomes, document_sets = {}, {}, {}
+    progress = tqdm(total=len(lengths) * len(variants) * documents * len(tasks), desc="retrieval accuracy",
+                    unit="doc", disable=not show_progress)
+    for length in lengths:
+        docs = make_documents(tokenizer, length, documents, seed, tasks)
+        document_sets[length] = [{key: doc[key] for key in ("doc_id", "task", "answer", "needle_distance")} for doc in docs]
+        results = {}
+        for name in variants:
+            started = time.perf_counter()
+            results[name] = evaluate_variant(model, tokenizer, docs, name, recall_documents=recall_documents,
+                                             progress=progress)
+            results[name]["seconds"] = time.perf_counter() - started
+        per_length[length] = {name: {**summarize(docs, results[name], None if name == "dense" else results["dense"]),
+                                     "seconds": results[name]["seconds"]} for name in variants}
+        outcomes[length] = {name: results[name]["correct"] for name in variants}
+        result = {"lengths": per_length, "correct": outcomes, "documents": document_sets, "variants": list(variants),
+                  "seed": seed, "choices": NUM_CHOICES, "complete": length == lengths[-1]}
+        if after_length is not None:
+            after_length(result)
+    progress.close()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- report
+def accuracy_table(result: dict) -> str:
+    variants = result["variants"]
+    rows = []
+    for length, by_variant in result["lengths"].items():
+        for task in (*TASKS, "all"):
+            cells = []
+            for name in variants:
+                summary = by_variant[name]
+                if task == "all":
+                    value, count = summary["accuracy"], summary["documents"]
+                elif task in summary["by_task"]:
+                    value, count = summary["by_task"][task]["accuracy"], summary["by_task"][task]["documents"]
+                else:
+                    value = count = None
+                cells.append("-" if value is None else f"{value:.3f}")
+            if task != "all" and cells[0] == "-":
+                continue
+            p_values = [by_variant[name].get("versus_dense", {}).get("mcnemar_p") for name in variants[1:]]
+            rows.append([str(length), task, str(count if task != "all" else by_variant["dense"]["documents"]), *cells,
+                         " ".join("-" if p is None or task != "all" else f"{p:.2g}" for p in p_values)])
+    header = ["length", "task", "n", *variants, "McNemar p vs dense (" + ", ".join(variants[1:]) + ")"]
+    return format_table(header, rows)
+
+
+def recall_table(result: dict) -> str:
+    rows = []
+    for length, by_variant in result["lengths"].items():
+        for name, summary in by_variant.items():
+            for layer in summary.get("recall", []):
+                beyond = layer["recall_beyond_topk"]
+                rows.append([str(length), name, str(layer["layer"]), f"{layer['recall']:.3f}",
+                             "-" if beyond is None else f"{beyond:.3f}", str(layer["rows_beyond_topk"])])
+    return format_table(["length", "variant", "layer", "recall", "recall beyond top-16", "rows beyond"], rows)
+
+
+def plot(result: dict, path: Path) -> Optional[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed: no plot written to %s", path)
+        return None
+    lengths = [int(length) for length in result["lengths"]]
+    figure, axes = plt.subplots(1, len(TASKS), figsize=(5 * len(TASKS), 3.6), squeeze=False)
+    for axis, task in zip(axes[0], TASKS):
+        for name in result["variants"]:
+            values = [result["lengths"][length][name]["by_task"].get(task, {}).get("accuracy", float("nan"))
+                      for length in result["lengths"]]
+            axis.plot(lengths, values, marker="o", label=name)
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(lengths, [f"{length // 1024}K" for length in lengths])
+        axis.set_ylim(-0.02, 1.02)
+        axis.set_title(f"{task} retrieval ({NUM_CHOICES} choices)")
+        axis.set_xlabel("context length (tokens)")
+        axis.set_ylabel("accuracy")
+        axis.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=8)
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- command line
+def _positive_ints(text: str) -> tuple:
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m eval.retrieval_accuracy", description=__doc__.splitlines()[0].replace("``", "`"))
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the shipped trained tiny model)")
+    parser.add_argument("--lengths", type=_positive_ints, default=LENGTHS, help="context lengths in tokens")
+    parser.add_argument("--documents", type=int, default=16, help="documents per task and length")
+    parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated among {', '.join(TASKS)}")
+    parser.add_argument("--recall-documents", type=int, default=4,
+                        help="documents per task and length (the first ones) whose recall is measured")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated among {', '.join(VARIANTS)}")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32 or bfloat16")
+    parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--output", type=Path, default=None, help="JSON results path")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG plot path")
+    return parser
+
+
+def run_command(argv: Optional[Sequence[str]] = None) -> dict:
+    from .accuracy import load_for_evaluation
+    from .trained_model import trained_model_dir
+
+    arguments = build_parser().parse_args(argv)
+    if arguments.documents < 1 or arguments.recall_documents < 0:
+        raise SystemExit("--documents must be >= 1 and --recall-documents >= 0")
+    model_path = arguments.model or str(trained_model_dir())
+    model, tokenizer, description = load_for_evaluation(model_path, None, dtype=arguments.dtype,
+                                                        device=arguments.device, device_map=None)
+    started = time.perf_counter()
+
+    def save_partial(partial: dict) -> None:  # a long run killed at its last length keeps the shorter ones
+        if arguments.output is not None:
+            write_json(arguments.output, {**partial, "model": description})
+
+    result = evaluate_retrieval_accuracy(model, tokenizer, lengths=arguments.lengths, documents=arguments.documents,
+                                         tasks=tuple(arguments.tasks.split(",")),
+                                         variants=tuple(arguments.variants.split(",")),
+                                         recall_documents=arguments.recall_documents, seed=arguments.seed,
+                                         after_length=save_partial)
+    result["model"] = description
+    result["seconds"] = time.perf_counter() - started
+    print("\nRetrieval accuracy (multiple choice, lm-eval scoring) per context length\n")
+    print(accuracy_table(result))
+    print("\nIndexer recall: share of dense attention mass in the selected pages\n")
+    print(recall_table(result))
+    if arguments.output is not None:
+        write_json(arguments.output, result)
+        print(f"\nresults: {arguments.output}")
+    if arguments.plot is not None and plot(result, arguments.plot) is not None:
+        print(f"plot: {arguments.plot}")
+    return result
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    run_command(argv)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
