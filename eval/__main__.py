@@ -1,15 +1,18 @@
-"""The main job: ``python -m eval`` compares sparse and dense attention on the embedded default model.
+"""The main job: ``python -m eval`` compares sparse and dense attention on the project's tiny models.
 
-1. Accuracy (``eval.accuracy``): lm-eval on the bundled key-value retrieval (short variant) and public-domain
-   perplexity tasks in sparse and dense mode, side by side with the difference and the paired exact McNemar
-   p-value, then the logit agreement beyond and within the top-k window.
-2. Throughput (``eval.throughput``): prefill of fresh prompts and a chunked prefill in the modes sparse,
-   sparse-torch, dense and transformers' native model, then one sparse layer's attention against dense.
+1. Accuracy (``eval.accuracy``) on the shipped trained tiny MiniMax-M3 (``eval.trained_model``: M3's indexer
+   geometry, trained on long-context retrieval, its indexer distilled from its dense attention): lm-eval on the
+   bundled key-value retrieval (short variant) and public-domain perplexity tasks in sparse and dense mode, side by
+   side with the difference and the paired exact McNemar p-value; then retrieval accuracy per context length for
+   dense, sparse (FP8 / bf16 index path), an untrained indexer and a sliding window, with the indexer's recall.
+2. Throughput (``eval.throughput``) on the embedded tiny model (random weights): prefill of fresh prompts and a
+   chunked prefill in the modes sparse, sparse-torch, dense and transformers' native model, then one sparse layer's
+   attention against dense.
 
-The embedded model (``eval.default_model``) is a tiny MiniMax-M3 with random weights, created on first use:
-the numbers show the machinery and sparse-vs-dense agreement, not a trained model's accuracy or GPU speed. Sized
-to finish in a few minutes on a 2-core CPU. For real measurements: ``python -m eval.throughput --preset
-m3-geometry`` on a GPU and ``python -m eval.accuracy --model PATH`` (see the README).
+Sized to finish in a few minutes on a 2-core CPU, so the per-length retrieval runs one document per task at 4K
+tokens: it shows the machinery; the GPU numbers (2K-32K, 16 documents per task) are in docs/ACCURACY.md. For real
+measurements: ``python -m eval.throughput --preset m3-geometry`` and ``python -m eval.accuracy`` on a GPU,
+``python -m eval.accuracy --model PATH`` for a checkpoint (see the README).
 """
 
 from __future__ import annotations
@@ -46,8 +49,8 @@ def run_command(argv=None) -> dict:
     if args.limit < 1:
         raise SystemExit(f"--limit must be positive, got {args.limit}")
     output_dir = Path(args.output_dir or Path("eval_results") / f"eval-{time.strftime('%Y%m%d-%H%M%S')}")
-    print("MiniMax-M3 sparse vs dense on the embedded default model (tiny, random weights: it shows the machinery "
-          "and how closely sparse follows dense, not a trained model's accuracy or GPU speed)", flush=True)
+    print("MiniMax-M3 sparse vs dense on tiny models: accuracy on the shipped trained tiny model, throughput on the "
+          "embedded random one (CPU-sized: it shows the machinery, not GPU speed)", flush=True)
     results = {}
     if not args.skip_accuracy:
         from . import accuracy

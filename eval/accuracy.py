@@ -7,8 +7,13 @@ paired by ``doc_id``, as the reference PR reports accuracy. Perplexity tasks get
 Then a logit-agreement summary on long inputs: KL(dense ‖ sparse), top-1 agreement and max |Δlogit| beyond
 the top-k window, and the same within it as a control.
 
-Without ``--model`` it evaluates the embedded default model (``eval.default_model``) on the bundled tasks.
-``--model PATH --tasks ...`` evaluates a checkpoint (any layout ``minimax_m3.load_model`` reads) on bundled
+Then retrieval accuracy per context length (``eval.retrieval_accuracy``): multiple choice scored as lm-eval scores
+it, for dense, sparse (FP8 and bf16 index paths), an untrained indexer and a sliding window, with the indexer's
+recall per sparse layer.
+
+Without ``--model`` it evaluates the shipped trained tiny model (``eval.trained_model``: a MiniMax-M3 with the real
+indexer geometry, trained on long-context retrieval); ``--model embedded`` the embedded random tiny model
+(``eval.default_model``, quick tests). ``--model PATH --tasks ...`` evaluates a checkpoint (any layout ``minimax_m3.load_model`` reads) on bundled
 tasks and on any lm-eval task whose data is already in the local Hugging Face cache: nothing reaches the network.
 """
 
@@ -46,6 +51,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TASKS_EMBEDDED = ("m3_kv_retrieval_short", "m3_pd_perplexity")
 DEFAULT_TASKS_CHECKPOINT = ("m3_kv_retrieval_long", "m3_kv_retrieval_short", "m3_pd_perplexity")
+EMBEDDED = "embedded"  # --model value of the embedded random tiny model
+RETRIEVAL_LENGTHS_GPU = "2048,8192,16384,32768"
+RETRIEVAL_LENGTHS_CPU = "4096"  # 32 pages: selection matters, and a 2-core CPU finishes in about a minute
 
 
 class TaskSession:
@@ -244,6 +252,16 @@ def print_accuracy_report(result: dict, stream=None) -> None:
         print(f"\nLogit agreement, {modes[0]} vs {modes[1]}: {agreement['sequences']} sequences of "
               f"{agreement['length']} tokens (bundled text and random tokens)", file=stream)
         print(agreement_table(agreement), file=stream)
+    retrieval = result.get("retrieval_by_length")
+    if retrieval:
+        from .retrieval_accuracy import accuracy_table as retrieval_table
+        from .retrieval_accuracy import recall_table
+
+        print(f"\nRetrieval accuracy per context length ({retrieval['choices']}-way multiple choice scored as lm-eval "
+              f"scores it; McNemar against dense)", file=stream)
+        print(retrieval_table(retrieval), file=stream)
+        print("\nIndexer recall: share of dense attention mass in the selected pages, per sparse layer", file=stream)
+        print(recall_table(retrieval), file=stream)
 
 
 def load_for_evaluation(model_path: Optional[str], tokenizer_path: Optional[str], *, dtype: str, device: str,
@@ -281,7 +299,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m eval.accuracy", description=__doc__.splitlines()[0].replace("``", ""))
-    parser.add_argument("--model", default=None, help="checkpoint directory (default: the embedded tiny model)")
+    parser.add_argument("--model", default=None,
+                        help=f"checkpoint directory (default: the shipped trained tiny model; '{EMBEDDED}': the "
+                             "embedded random tiny model)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     parser.add_argument("--tasks", default=None,
                         help=f"comma-separated lm-eval task names (default: {','.join(DEFAULT_TASKS_EMBEDDED)} for the "
@@ -301,6 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--agreement-sequences", type=int, default=4)
     parser.add_argument("--agreement-positions", type=int, default=256,
                         help="positions sampled per group (within / beyond the top-k window)")
+    parser.add_argument("--retrieval-lengths", default=None,
+                        help=f"context lengths of the retrieval-by-length report (default: {RETRIEVAL_LENGTHS_GPU} "
+                             f"on a GPU, {RETRIEVAL_LENGTHS_CPU} on CPU; 'none' skips it)")
+    parser.add_argument("--retrieval-documents", type=int, default=None,
+                        help="documents per task and length in that report (default: 16 on a GPU, 1 on CPU)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default=None, help="JSON results (default: eval_results/accuracy-<time>.json)")
     parser.add_argument("--verbose", action="store_true", help="lm-eval's own INFO logging")
@@ -321,9 +346,17 @@ def run_command(argv=None) -> dict:
             logging.getLogger(name).setLevel(logging.WARNING)
     if args.limit is not None and args.limit <= 0:
         raise SystemExit(f"--limit must be positive, got {args.limit}")
-    default_tasks = DEFAULT_TASKS_EMBEDDED if args.model is None else DEFAULT_TASKS_CHECKPOINT
+    if args.retrieval_documents is not None and args.retrieval_documents < 1:
+        raise SystemExit(f"--retrieval-documents must be >= 1, got {args.retrieval_documents}")
+    if args.model is None:
+        from .trained_model import trained_model_dir
+
+        model_path = str(trained_model_dir())
+    else:
+        model_path = None if args.model == EMBEDDED else args.model
+    default_tasks = DEFAULT_TASKS_CHECKPOINT if args.model not in (None, EMBEDDED) else DEFAULT_TASKS_EMBEDDED
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else list(default_tasks)
-    model, tokenizer, description = load_for_evaluation(args.model, args.tokenizer, dtype=args.dtype, device=args.device,
+    model, tokenizer, description = load_for_evaluation(model_path, args.tokenizer, dtype=args.dtype, device=args.device,
                                                         device_map=args.device_map)
     result = evaluate_accuracy(
         model, tokenizer, tasks=tasks, modes=tuple(m.strip() for m in args.modes.split(",")), limit=_limit(args.limit),
@@ -331,6 +364,16 @@ def run_command(argv=None) -> dict:
         bootstrap_iters=args.bootstrap_iters, agreement_length=args.agreement_length,
         agreement_sequences=args.agreement_sequences, agreement_positions=args.agreement_positions, seed=args.seed,
     )
+    result["retrieval_by_length"] = None
+    on_gpu = next(model.parameters()).is_cuda
+    lengths = args.retrieval_lengths or (RETRIEVAL_LENGTHS_GPU if on_gpu else RETRIEVAL_LENGTHS_CPU)
+    if lengths != "none":
+        from . import retrieval_accuracy
+
+        documents = args.retrieval_documents or (16 if on_gpu else 1)
+        result["retrieval_by_length"] = retrieval_accuracy.evaluate_retrieval_accuracy(
+            model, tokenizer, lengths=tuple(int(length) for length in lengths.split(",")), documents=documents,
+            recall_documents=min(documents, 4))
     result.update(description)
     result["environment"] = environment()
     print_accuracy_report(result)

@@ -176,9 +176,10 @@ def tiny_model_config(vocab_size: int) -> MiniMaxM3Config:
         head_dim=64, rotary_dim=32, rope_theta=1e4, intermediate_size=64, dense_intermediate_size=384,
         shared_intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=MAX_POSITIONS,
         initializer_range=0.02, moe_layer_freq=[0, 1, 1], moe_implementation="all_experts",
-        # the exact sparse attention: FlexAttention's compiled kernel for this geometry (2 query heads per KV
-        # group, head dim 64) asked for more shared memory than an H200 has at 8K tokens (torch 2.11)
-        sparse_attention_implementation="reference",
+        # exact sparse attention as page-masked dense products: FlexAttention's compiled kernel for this geometry
+        # (2 query heads per KV group, head dim 64) asked for more shared memory than an H200 has at 8K tokens
+        # (torch 2.11), the per-token gather of the reference is slow; a 3-layer model affords O(T x S)
+        sparse_attention_implementation="masked",
         sparse_attention_config={
             "sparse_attention_freq": [0, 1, 1], "sparse_num_index_heads": 2, "sparse_index_dim": HEAD_DIM,
             "sparse_block_size": PAGE_SIZE, "sparse_topk_blocks": DEFAULT_TOPK, "sparse_init_block": 0,

@@ -25,6 +25,7 @@ __all__ = [
     "dense_attention_same_length_prefill",
     "is_same_length_fresh_prefill",
     "recent_page_selection",
+    "sparse_attention_masked",
     "sparse_attention_reference",
     "SPARSE_ATTENTION_FUNCTIONS",
     "get_sparse_attention_function",
@@ -270,7 +271,40 @@ def sparse_attention_reference(q, keys, values, selection, metadata: ForwardMeta
     return output
 
 
-SPARSE_ATTENTION_FUNCTIONS: Dict[str, Callable] = {"reference": sparse_attention_reference}
+def sparse_attention_masked(q, keys, values, selection, metadata: ForwardMetadata, *, scale: float,
+                            page_size: int, chunk_elements: int = 1 << 26) -> torch.Tensor:
+    """The same attention as ``sparse_attention_reference``, as dense fp32 attention over each sequence's whole
+    causal prefix with the unselected pages masked out: matrix products instead of a per-token gather of the
+    selected pages, so it is the faster exact path while contexts are short (a few thousand keys per token) and for
+    small models. Memory is bounded by query chunks of ``chunk_elements`` logits."""
+    output = torch.empty_like(q)
+    num_heads, num_kv_heads = q.shape[1], keys.shape[2]
+    group = num_heads // num_kv_heads
+    for sequence, (start, count, kv_length) in enumerate(zip(metadata.query_starts, metadata.query_lengths, metadata.kv_lengths)):
+        if count == 0:
+            continue
+        pages = -(-kv_length // page_size)
+        key = keys[sequence, :kv_length].float().transpose(0, 1)  # [G, S, D]
+        value = values[sequence, :kv_length].float().transpose(0, 1)
+        key_positions = torch.arange(kv_length, device=q.device)
+        chunk = max(1, chunk_elements // (num_heads * kv_length))
+        for begin in range(start, start + count, chunk):
+            end = min(start + count, begin + chunk)
+            chosen = selection[begin:end].long()  # [n, G, topk]
+            selected = torch.zeros(end - begin, num_kv_heads, pages + 1, dtype=torch.bool, device=q.device)
+            selected.scatter_(-1, torch.where(chosen >= 0, chosen, pages), True)  # -1 lands in a spare column
+            allowed = selected[..., :pages].repeat_interleave(page_size, dim=-1)[..., :kv_length]
+            allowed &= key_positions <= metadata.positions[begin:end, None, None]  # [n, G, S]
+            query = q[begin:end].float().view(end - begin, num_kv_heads, group, -1).transpose(0, 1)  # [G, n, r, D]
+            logits = torch.einsum("gnrd,gsd->gnrs", query, key) * scale
+            logits = logits.masked_fill(~allowed.transpose(0, 1)[:, :, None, :], float("-inf"))
+            attended = torch.einsum("gnrs,gsd->gnrd", torch.softmax(logits, dim=-1), value)
+            output[begin:end] = attended.transpose(0, 1).reshape(end - begin, num_heads, -1).to(q.dtype)
+    return output
+
+
+SPARSE_ATTENTION_FUNCTIONS: Dict[str, Callable] = {"reference": sparse_attention_reference,
+                                                   "masked": sparse_attention_masked}
 
 
 FLEX_MIN_PAGE_SIZE = 128

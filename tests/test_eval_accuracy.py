@@ -36,14 +36,14 @@ def tiny(isolated):
 def test_accuracy_command_end_to_end_offline(isolated, monkeypatch, capsys):
     no_network(monkeypatch)
     output = isolated / "accuracy.json"
-    result = accuracy.run_command(["--limit", "6", "--agreement-sequences", "2", "--agreement-positions", "32",
-                            "--output", str(output)])
+    result = accuracy.run_command(["--model", "embedded", "--limit", "6", "--agreement-sequences", "2",
+                                   "--agreement-positions", "32", "--retrieval-lengths", "none", "--output", str(output)])
     assert all(__import__("os").environ[name] == "1" for name in OFFLINE_SWITCHES)
 
     saved = json.loads(output.read_text())
     assert saved["kind"] == "accuracy" and saved["modes"] == ["sparse", "dense"]
     assert saved["tasks"] == list(accuracy.DEFAULT_TASKS_EMBEDDED) and saved["limit"] == 6
-    assert saved["model"] == "embedded default" and saved["dtype"] == "float32"
+    assert saved["model"] == "embedded default" and saved["dtype"] == "float32" and saved["retrieval_by_length"] is None
     retrieval = saved["comparison"]["m3_kv_retrieval_short"]["acc"]
     assert set(retrieval) == {"sparse", "dense", "difference", "paired"}
     assert retrieval["difference"] == pytest.approx(retrieval["sparse"] - retrieval["dense"])
@@ -70,6 +70,23 @@ def test_accuracy_command_end_to_end_offline(isolated, monkeypatch, capsys):
     assert cells[:2] == ["m3_kv_retrieval_short", "acc"] and cells[5] == "6"
     assert f"{paired['p_value']:.3g}" == cells[7]
     assert "(all pages kept)" in printed and "(pages dropped)" in printed
+
+
+def test_default_model_is_the_trained_one_with_the_retrieval_by_length_report(isolated, monkeypatch, capsys):
+    no_network(monkeypatch)
+    from eval.trained_model import trained_model_dir
+
+    output = isolated / "accuracy.json"
+    accuracy.run_command(["--limit", "2", "--agreement-length", "0", "--retrieval-lengths", "1024",
+                          "--retrieval-documents", "1", "--output", str(output)])
+    saved = json.loads(output.read_text())
+    assert saved["model"] == str(trained_model_dir()) and saved["tasks"] == list(accuracy.DEFAULT_TASKS_EMBEDDED)
+    retrieval = saved["retrieval_by_length"]
+    assert list(retrieval["lengths"]) == ["1024"] and retrieval["variants"][0] == "dense"
+    assert set(retrieval["lengths"]["1024"]) == {"dense", "sparse", "sparse-bf16-index", "untrained-indexer",
+                                                 "sliding-window"}
+    printed = capsys.readouterr().out
+    assert "Retrieval accuracy per context length" in printed and "Indexer recall" in printed
 
 
 def test_lm_eval_gives_identical_results_when_every_position_keeps_all_its_pages(tiny):

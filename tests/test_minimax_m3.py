@@ -179,9 +179,10 @@ def test_sparse_equals_dense_while_every_position_has_at_most_topk_pages():
     assert (sparse(longer).logits - dense(longer).logits).abs().max() > 1e-3  # selection really drops pages
 
 
-def test_sparse_attention_equals_masked_dense_attention_over_the_selected_pages():
+@pytest.mark.parametrize("implementation", ["reference", "masked"])
+def test_sparse_attention_equals_masked_dense_attention_over_the_selected_pages(implementation):
     """An independent formulation: full attention with an additive mask built from the selected pages."""
-    from minimax_m3.sparse_attention import ForwardMetadata, sparse_attention_reference
+    from minimax_m3.sparse_attention import SPARSE_ATTENTION_FUNCTIONS, ForwardMetadata
 
     torch.manual_seed(3)
     tokens, heads, kv_heads, dim, page = 40, 4, 2, 16, 8
@@ -197,7 +198,8 @@ def test_sparse_attention_equals_masked_dense_attention_over_the_selected_pages(
             chosen = sorted(set(history.tolist())) + [local]
             selection[t, g, : len(chosen)] = torch.tensor(chosen)
     metadata = ForwardMetadata(torch.zeros(tokens, dtype=torch.long), positions, [tokens], [tokens], [0])
-    got = sparse_attention_reference(q, keys, values, selection, metadata, scale=dim ** -0.5, page_size=page)
+    got = SPARSE_ATTENTION_FUNCTIONS[implementation](q, keys, values, selection, metadata, scale=dim ** -0.5,
+                                                     page_size=page)
     for t in range(tokens):
         for h in range(heads):
             g = h // (heads // kv_heads)
@@ -209,6 +211,31 @@ def test_sparse_attention_equals_masked_dense_attention_over_the_selected_pages(
             logits = (keys[0, :, g] @ q[t, h]) * dim ** -0.5
             weights = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=0)
             torch.testing.assert_close(got[t, h], weights @ values[0, :, g])
+
+
+def test_masked_sparse_attention_equals_the_reference_on_a_varlen_batch_with_cached_prefixes():
+    from minimax_m3.sparse_attention import ForwardMetadata, sparse_attention_masked, sparse_attention_reference
+
+    torch.manual_seed(4)
+    page, topk, heads, kv_heads, dim = 8, 3, 4, 2, 16
+    query_lengths, kv_lengths = [5, 30, 1], [45, 30, 17]
+    capacity = max(kv_lengths)
+    keys, values = torch.randn(3, capacity, kv_heads, dim), torch.randn(3, capacity, kv_heads, dim)
+    positions = torch.cat([torch.arange(kv - n, kv) for n, kv in zip(query_lengths, kv_lengths)])
+    batch_index = torch.cat([torch.full((n,), b) for b, n in enumerate(query_lengths)])
+    selection = torch.full((len(positions), kv_heads, topk), -1, dtype=torch.int32)
+    for t, p in enumerate(positions.tolist()):
+        for g in range(kv_heads):
+            local = p // page
+            chosen = sorted(torch.randperm(local)[: topk - 1].tolist()) + [local] if local else [0]
+            selection[t, g, : len(chosen)] = torch.tensor(chosen)
+    metadata = ForwardMetadata(batch_index, positions, query_lengths, kv_lengths, [0, 5, 35])
+    q = torch.randn(len(positions), heads, dim)
+    expected = sparse_attention_reference(q, keys, values, selection, metadata, scale=0.25, page_size=page)
+    for chunk_elements in (1 << 26, 300):  # one chunk, and many small ones
+        got = sparse_attention_masked(q, keys, values, selection, metadata, scale=0.25, page_size=page,
+                                      chunk_elements=chunk_elements)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("index_dtype", ["float32", "bfloat16", "float8_e4m3fn"])
