@@ -60,7 +60,9 @@ class TaskSession:
     """An lm-eval ``TaskManager`` over the bundled tasks (materialised with absolute paths into a temporary
     directory that also holds their datasets cache) and, when a requested task is not bundled, lm-eval's own."""
 
-    def __init__(self, tasks: Sequence[str]):
+    def __init__(self, tasks: Sequence[str], extra_task_paths: Sequence[Path] = ()):
+        """``extra_task_paths``: more directories of task YAMLs (e.g. ``eval.retrieval_accuracy.retrieval_length_task``
+        output), scanned after the bundled ones."""
         enforce_offline()
         from lm_eval.tasks import TaskManager
 
@@ -71,7 +73,10 @@ class TaskSession:
         materialize(root / "tasks", root / "datasets")
         bundled = set(bundled_task_names()) | {BUNDLED_TAG}
         # indexing lm-eval's thousands of task files takes seconds: only when a task needs them
-        self.manager = TaskManager(include_path=str(root / "tasks"), include_defaults=not set(tasks) <= bundled)
+        extra = [str(path) for path in extra_task_paths]
+        extra_names = {path.stem for directory in extra_task_paths for path in Path(directory).glob("*.yaml")}
+        self.manager = TaskManager(include_path=[str(root / "tasks"), *extra],
+                                   include_defaults=not set(tasks) <= bundled | extra_names)
         unknown = [name for name in tasks if name not in self.manager.all_tasks]
         if unknown:
             self.close()

@@ -48,6 +48,7 @@ from .layer_inputs import capture_sparse_layer_inputs, single_pass
 from .modes import attention_mode, set_attention_mode
 from .recall import RecallAccumulator
 from .synthetic_retrieval import TASKS, RetrievalBatch, RetrievalDataConfig, RetrievalDataGenerator, build_retrieval_tokenizer
+from .training_curves import plot_training_curves
 
 __all__ = ["SEED", "Phase", "TrainingPlan", "FULL_PLAN", "SMOKE_PLAN", "tiny_model_config", "answer_loss",
            "evaluate_retrieval", "Trainer", "main"]
@@ -59,6 +60,7 @@ STAGES = (1, 2, 3)
 LOG_FILE = "training_log.jsonl"
 STATE_DIRECTORY = "training_state"
 SUMMARY_FILE = "training_summary.json"
+CURVES_FILE = "training_curves.png"
 MAX_POSITIONS = 65536  # evaluation goes to 32K tokens, twice the longest training length
 EXPORT_RESERVE_S = 20.0  # kept free of training under --max-minutes: the last checkpoint and the export
 UNKNOWN_EVAL_S = 90.0  # assumed duration of an evaluation never timed yet (FlexAttention compiles on first use)
@@ -561,6 +563,7 @@ class Trainer:
         summary = training_summary(records, self.progress, self.plan, self.seed)
         (self.output / SUMMARY_FILE).write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
         (self.output / "README.md").write_text(model_card(summary))
+        plot_training_curves(records, self.output / CURVES_FILE)
         return self.output
 
 
@@ -605,7 +608,8 @@ def model_card(summary: dict) -> str:
         f"Plan `{summary['plan']}`, seed {summary['seed']}; all stages done: {summary['complete']}"
         + ("" if summary["complete"] or summary.get("next") is None
            else f" (next: stage {summary['next']['stage']}, not run)") + ". "
-        f"Log: `{LOG_FILE}` (losses, step times, every evaluation); numbers: `{SUMMARY_FILE}`. Commands:", "",
+        f"Log: `{LOG_FILE}` (losses, step times, every evaluation); curves: `{CURVES_FILE}`; numbers: "
+        f"`{SUMMARY_FILE}`. Commands:", "",
         *[f"    {command}" for command in summary.get("commands", [])], "",
         "## Results at the end of each stage", "",
         "Teacher-forced exact match of all five answer digits on 32 held-out documents per length (about a quarter "

@@ -90,17 +90,14 @@ def test_encode_pair_is_lm_evals(trained):
 def test_own_loop_gives_lm_evals_numbers(trained, tmp_path, variant):
     """The GPU report's scoring loop and lm-eval, on the same documents: the same log-likelihoods and answers."""
     pytest.importorskip("lm_eval")
-    from eval.accuracy import TaskSession, run_lm_eval, correctness_of
+    from eval.accuracy import TaskSession, run_lm_eval
 
     model, tokenizer = trained
     documents = ra.make_documents(tokenizer, 512, 2, seed=3)
     ra.retrieval_length_task(tmp_path, "m3_retrieval_test_512", documents)
     with ra.variant(model, variant) as configured:
         ours = ra.evaluate_variant(configured, tokenizer, documents, variant)
-    with ra.variant(model, variant) as configured, TaskSession(["m3_pd_perplexity"]) as session:
-        from lm_eval.tasks import TaskManager
-
-        session.manager = TaskManager(include_path=str(tmp_path), include_defaults=False)
+    with ra.variant(model, variant) as configured, TaskSession(["m3_retrieval_test_512"], [tmp_path]) as session:
         results = run_lm_eval(configured, tokenizer, ["m3_retrieval_test_512"], session, limit=None, batch_size=1,
                               max_length=4096, num_fewshot=None, bootstrap_iters=0)
     samples = sorted(results["samples"]["m3_retrieval_test_512"], key=lambda s: s["doc_id"])

@@ -56,7 +56,8 @@ def test_smoke_run_logs_three_stages(smoke_run):
 
 def test_smoke_checkpoint_is_small_and_loads_through_the_auto_classes(smoke_run):
     shippable = [p for p in smoke_run.rglob("*") if p.is_file() and train_tiny.STATE_DIRECTORY not in p.parts]
-    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md", train_tiny.LOG_FILE} <= {p.name for p in shippable}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md", train_tiny.LOG_FILE,
+            train_tiny.CURVES_FILE} <= {p.name for p in shippable}
     assert sum(p.stat().st_size for p in shippable) <= SHIPPABLE_LIMIT
 
     model = AutoModelForCausalLM.from_pretrained(smoke_run)

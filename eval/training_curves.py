@@ -1,0 +1,91 @@
+"""Loss curves of a ``python -m eval.train_tiny`` run, drawn from its ``training_log.jsonl``:
+``python -m eval.training_curves RUN_DIR [--output PNG]``.
+
+Stage 1: the training loss per logged window and the curriculum's held-out dense accuracy per task, with the
+curriculum phases (document lengths) marked; stage 2: the indexer's KL per sparse layer. ``export`` of the trainer writes
+``training_curves.png`` beside the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+__all__ = ["read_log", "plot_training_curves", "main"]
+
+logger = logging.getLogger(__name__)
+
+
+def read_log(path: Path) -> List[dict]:
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def plot_training_curves(records: Sequence[dict], output: Path) -> Optional[Path]:
+    """Draw the curves of ``records`` (a training log) into ``output``; ``None`` without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed: no training curves written to %s", output)
+        return None
+    stage1 = [r for r in records if r["event"] == "train" and r["stage"] == 1]
+    stage2 = [r for r in records if r["event"] == "train" and r["stage"] == 2]
+    curriculum = [r for r in records if r["event"] == "eval" and r.get("kind") == "curriculum"]
+    figure, axes = plt.subplots(1, 3, figsize=(15, 3.6))
+    loss_axis, accuracy_axis, kl_axis = axes
+    loss_axis.plot([r["step"] for r in stage1], [r["loss"] for r in stage1], linewidth=0.8)
+    loss_axis.set_yscale("log")
+    loss_axis.set_title("stage 1: training loss (answers + next token)")
+    for task, style in (("passkey", "-"), ("key_value", "--")):
+        points = [(r["step"], r["by_task"][task]) for r in curriculum if task in r.get("by_task", {})]
+        if points:
+            accuracy_axis.plot(*zip(*points), style, marker=".", linewidth=0.8, label=task)
+    accuracy_axis.set_ylim(-0.02, 1.02)
+    accuracy_axis.set_title("stage 1: held-out dense accuracy (curriculum)")
+    if curriculum:
+        accuracy_axis.legend(fontsize=8)
+    boundary = 0
+    for phase in (r for r in records if r["event"] == "phase_end"):  # phases end in order; steps are per phase
+        lengths = "/".join(f"{length // 1024}K" if length >= 1024 else str(length) for length in phase["lengths"])
+        for axis in (loss_axis, accuracy_axis):
+            axis.axvline(boundary, color="grey", alpha=0.3, linewidth=0.8)
+        accuracy_axis.text(boundary, 1.0, f" {lengths}", fontsize=6, color="grey", va="top", rotation=90)
+        boundary += phase["steps"]
+    for layer in sorted({key for r in stage2 for key in r.get("kl_by_layer", {})}, key=int):
+        kl_axis.plot([r["step"] for r in stage2], [r["kl_by_layer"][layer] for r in stage2], label=f"layer {layer}")
+    kl_axis.set_yscale("log")
+    kl_axis.set_title("stage 2: KL(attention mass || indexer)")
+    if stage2:
+        kl_axis.legend(fontsize=8)
+    for axis in axes:
+        axis.set_xlabel("step")
+        axis.grid(alpha=0.3)
+    figure.tight_layout()
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(output, dpi=100)
+    plt.close(figure)
+    return output
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eval.training_curves", description=__doc__.splitlines()[0].replace("``", "`"))
+    parser.add_argument("run", type=Path, help="the run's output directory (holds training_log.jsonl)")
+    parser.add_argument("--output", type=Path, default=None, help="PNG path (default: RUN/training_curves.png)")
+    arguments = parser.parse_args(argv)
+    log = arguments.run / "training_log.jsonl"
+    if not log.is_file():
+        raise SystemExit(f"{arguments.run}: no training_log.jsonl")
+    written = plot_training_curves(read_log(log), arguments.output or arguments.run / "training_curves.png")
+    if written is not None:
+        print(f"curves: {written}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
