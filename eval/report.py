@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 __all__ = ["RESULTS_DIRECTORY", "default_output_path", "format_table", "format_number", "write_json", "to_jsonable",
-           "plot_throughput", "environment"]
+           "pyplot", "save_figure", "plot_throughput", "environment"]
 
 RESULTS_DIRECTORY = Path("eval_results")
 
@@ -76,14 +76,32 @@ def _tokens_label(tokens: int) -> str:
     return f"{tokens // 1024}K" if tokens >= 1024 and tokens % 1024 == 0 else str(tokens)
 
 
+def pyplot():
+    """``matplotlib.pyplot`` on the file-only Agg backend (no display on servers)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(figure, path, dpi: int = 120) -> Path:
+    """Lay out, write (creating the directory) and close ``figure``; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    figure.savefig(path, dpi=dpi)
+    pyplot().close(figure)
+    return path
+
+
 def plot_throughput(results: Sequence[dict], path, title: Optional[str] = None) -> Optional[Path]:
     """Input tokens/s against prompt length, one line per (mode, batch size) for fresh prompts, one marker per
     mode for chunked prefill; log x axis; OOM points as a red x on the axis. None when nothing finished."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on servers
-    import matplotlib.pyplot as plt
     import matplotlib.ticker
+
+    plt = pyplot()
 
     finished = [r for r in results if r.get("status") == "ok"]
     if not finished:
@@ -122,12 +140,7 @@ def plot_throughput(results: Sequence[dict], path, title: Optional[str] = None) 
     axes.set_title(title or "Prefill throughput")
     axes.grid(True, which="both", alpha=0.3)
     axes.legend(fontsize=8)
-    figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)
 
 
 def environment() -> dict:

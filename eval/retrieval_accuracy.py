@@ -37,7 +37,7 @@ import torch
 from .layer_inputs import capture_sparse_layer_inputs, single_pass
 from .modes import attention_mode
 from .recall import RecallAccumulator
-from .report import format_table, write_json
+from .report import format_table, pyplot, save_figure, write_json
 from .stats import mcnemar_exact_p_value
 from .synthetic_retrieval import TASKS, VALUE_DIGITS, RetrievalDataConfig, RetrievalDataGenerator
 
@@ -279,15 +279,9 @@ def recall_table(result: dict) -> str:
     return format_table(["length", "variant", "layer", "recall", "recall beyond top-16", "rows beyond"], rows)
 
 
-def plot(result: dict, path: Path) -> Optional[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed: no plot written to %s", path)
-        return None
+def plot(result: dict, path: Path) -> Path:
+    """Accuracy against context length, one panel per task, one line per variant."""
+    plt = pyplot()
     lengths = [int(length) for length in result["lengths"]]
     figure, axes = plt.subplots(1, len(TASKS), figsize=(5 * len(TASKS), 3.6), squeeze=False)
     for axis, task in zip(axes[0], TASKS):
@@ -303,12 +297,7 @@ def plot(result: dict, path: Path) -> Optional[Path]:
         axis.set_ylabel("accuracy")
         axis.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8)
-    figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)
 
 
 # ---------------------------------------------------------------------------------------------- command line
@@ -369,8 +358,8 @@ def run_command(argv: Optional[Sequence[str]] = None) -> dict:
     if arguments.output is not None:
         write_json(arguments.output, result)
         print(f"\nresults: {arguments.output}")
-    if arguments.plot is not None and plot(result, arguments.plot) is not None:
-        print(f"plot: {arguments.plot}")
+    if arguments.plot is not None:
+        print(f"plot: {plot(result, arguments.plot)}")
     return result
 
 

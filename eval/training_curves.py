@@ -10,30 +10,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-__all__ = ["read_log", "plot_training_curves", "main"]
+from .report import pyplot, save_figure
 
-logger = logging.getLogger(__name__)
+__all__ = ["read_log", "plot_training_curves", "main"]
 
 
 def read_log(path: Path) -> List[dict]:
     return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def plot_training_curves(records: Sequence[dict], output: Path) -> Optional[Path]:
-    """Draw the curves of ``records`` (a training log) into ``output``; ``None`` without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed: no training curves written to %s", output)
-        return None
+def plot_training_curves(records: Sequence[dict], output: Path) -> Path:
+    """Draw the curves of ``records`` (a training log) into ``output``."""
+    plt = pyplot()
     stage1 = [r for r in records if r["event"] == "train" and r["stage"] == 1]
     stage2 = [r for r in records if r["event"] == "train" and r["stage"] == 2]
     curriculum = [r for r in records if r["event"] == "eval" and r.get("kind") == "curriculum"]
@@ -66,12 +58,7 @@ def plot_training_curves(records: Sequence[dict], output: Path) -> Optional[Path
     for axis in axes:
         axis.set_xlabel("step")
         axis.grid(alpha=0.3)
-    figure.tight_layout()
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(output, dpi=100)
-    plt.close(figure)
-    return output
+    return save_figure(figure, output, dpi=100)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -82,9 +69,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     log = arguments.run / "training_log.jsonl"
     if not log.is_file():
         raise SystemExit(f"{arguments.run}: no training_log.jsonl")
-    written = plot_training_curves(read_log(log), arguments.output or arguments.run / "training_curves.png")
-    if written is not None:
-        print(f"curves: {written}")
+    print(f"curves: {plot_training_curves(read_log(log), arguments.output or arguments.run / 'training_curves.png')}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import minimax_m3  # noqa: F401  (registers the Auto classes)
 from minimax_m3 import MiniMaxM3Config, MiniMaxM3ForCausalLM
-from minimax_m3.sparse_attention import recent_page_selection
 from minimax_m3.modeling_minimax_m3 import (
     CACHE_FIELD,
     MiniMaxM3RMSNorm,
@@ -16,6 +15,7 @@ from minimax_m3.modeling_minimax_m3 import (
     apply_partial_rope,
     swiglu_oai,
 )
+from minimax_m3.sparse_attention import recent_page_selection
 
 SPARSE_CONFIG = {
     "use_sparse_attention": True,
