@@ -327,8 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--agreement-positions", type=int, default=256,
                         help="positions sampled per group (within / beyond the top-k window)")
     parser.add_argument("--retrieval-lengths", default=None,
-                        help=f"context lengths of the retrieval-by-length report (default: {RETRIEVAL_LENGTHS_GPU} "
-                             f"on a GPU, {RETRIEVAL_LENGTHS_CPU} on CPU; 'none' skips it)")
+                        help=f"context lengths of the retrieval-by-length report (default for the tiny models: "
+                             f"{RETRIEVAL_LENGTHS_GPU} on a GPU, {RETRIEVAL_LENGTHS_CPU} on CPU; for --model PATH: "
+                             f"none; 'none' skips it)")
     parser.add_argument("--retrieval-documents", type=int, default=None,
                         help="documents per task and length in that report (default: 16 on a GPU, 1 on CPU)")
     parser.add_argument("--seed", type=int, default=0)
@@ -371,7 +372,11 @@ def run_command(argv=None) -> dict:
     )
     result["retrieval_by_length"] = None
     on_gpu = next(model.parameters()).is_cuda
-    lengths = args.retrieval_lengths or (RETRIEVAL_LENGTHS_GPU if on_gpu else RETRIEVAL_LENGTHS_CPU)
+    # by default only for the project's tiny models: their tokenizers encode digits one by one, as the synthetic
+    # documents need; a checkpoint gets the report when --retrieval-lengths asks for it
+    default_lengths = "none" if args.model not in (None, EMBEDDED) else (
+        RETRIEVAL_LENGTHS_GPU if on_gpu else RETRIEVAL_LENGTHS_CPU)
+    lengths = args.retrieval_lengths or default_lengths
     if lengths != "none":
         from . import retrieval_accuracy
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import json
 import logging
 import random
@@ -141,29 +140,49 @@ def choice_loglikelihoods(model, tokenizer, document: dict, *, recall: Optional[
     return [score for _, score in sorted(scores)]
 
 
+def _indexer_modules(model) -> list:
+    modules = []
+    for layer in model.model.layers:
+        attention = layer.self_attn
+        if attention.is_sparse:
+            modules += [attention.index_q_proj, attention.index_k_proj, attention.index_q_norm, attention.index_k_norm]
+    return modules
+
+
+@contextlib.contextmanager
+def _reinitialised_indexer(model, seed: int):
+    """The indexer's projections and norms re-initialised in place (the model's own ``_init_weights``, seeded) for
+    the block, then restored: only the indexer's parameters are copied, so it works on a model of any size."""
+    modules = _indexer_modules(model)
+    saved = [[parameter.detach().clone() for parameter in module.parameters()] for module in modules]
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        with torch.no_grad():
+            for module in modules:
+                model._init_weights(module)
+        yield model
+    finally:
+        torch.random.set_rng_state(generator_state)
+        with torch.no_grad():
+            for module, parameters in zip(modules, saved):
+                for parameter, value in zip(module.parameters(), parameters):
+                    parameter.copy_(value)
+
+
 @contextlib.contextmanager
 def variant(model, name: str, seed: int = SEED):
-    """``model`` set up as variant ``name`` for the block (the untrained indexer is a re-initialised copy)."""
+    """``model`` set up as variant ``name`` for the block; everything is restored after it."""
     if name not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {name!r}")
-    if name == "untrained-indexer":
-        model = copy.deepcopy(model)
-        generator_state = torch.random.get_rng_state()
-        torch.manual_seed(seed)
-        for layer in model.model.layers:
-            attention = layer.self_attn
-            if attention.is_sparse:
-                for module in (attention.index_q_proj, attention.index_k_proj, attention.index_q_norm,
-                               attention.index_k_norm):
-                    model._init_weights(module)
-        torch.random.set_rng_state(generator_state)
     mode = "dense" if name == "dense" else "sparse"
     config = model.config
     saved = (config.index_dtype, config.page_selection)
     config.index_dtype = "bfloat16" if name == "sparse-bf16-index" else "float8_e4m3fn"
     config.page_selection = "recent" if name == "sliding-window" else "indexer"
+    indexer = _reinitialised_indexer(model, seed) if name == "untrained-indexer" else contextlib.nullcontext(model)
     try:
-        with attention_mode(model, mode):
+        with indexer, attention_mode(model, mode):
             yield model
     finally:
         config.index_dtype, config.page_selection = saved

@@ -129,3 +129,15 @@ def test_bad_arguments_raise():
             pass
     with pytest.raises(ValueError, match="task"):
         ra.make_documents(None, 1024, 1, tasks=("trivia",))
+
+
+def test_untrained_indexer_variant_reinitialises_in_place_and_restores(trained):
+    model, _ = trained
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with ra.variant(model, "untrained-indexer") as configured:
+        assert configured is model and model.config.attention_mode == "sparse"
+        changed = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
+        assert changed and all("index_" in name for name in changed)
+        assert {name.split(".")[-2] for name in changed} == {"index_q_proj", "index_k_proj", "index_q_norm",
+                                                              "index_k_norm"}
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
