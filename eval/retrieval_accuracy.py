@@ -112,24 +112,46 @@ def encode_pair(tokenizer, context: str, continuation: str):
     return context_ids, whole[len(context_ids):]
 
 
+def _shared_prefix(pairs) -> bool:
+    """Whether every choice's tokens are the same context ids followed by its own continuation of equal length."""
+    context = pairs[0][0]
+    return len(context) > 0 and all(c == context and len(k) == len(pairs[0][1]) and len(k) > 0 for c, k in pairs)
+
+
+def _continuation_logprob(logits: torch.Tensor, continuation: Sequence[int]) -> float:
+    target = torch.tensor(continuation, device=logits.device)
+    return float(torch.log_softmax(logits.float(), -1).gather(-1, target[:, None]).sum())
+
+
 def choice_loglikelihoods(model, tokenizer, document: dict, *, recall: Optional[RecallAccumulator] = None) -> List[float]:
-    """Log-likelihood of each choice after the document's context: one forward of the choices as a batch (they
-    share their token count), the LM head only on the continuation positions. With ``recall`` (sparse modes), the
-    answer's row also adds its sparse layers' recall."""
+    """Log-likelihood of each choice after the document's context, the quantity lm-eval's ``HFLM`` computes per
+    request (``encode_pair``; the sum of the continuation tokens' log-probabilities).
+
+    The context is prefilled once, its cache repeated per choice (``MiniMaxM3Cache.batch_repeat_interleave``) and
+    the choices' continuations run as one batch over it: the same logits as a full forward of each choice (a cached
+    prefix equals one forward, tested) at a fraction of the cost. Pairs that do not share their context tokens run
+    as full forwards. With ``recall`` (sparse modes), the answer's full sequence also adds its sparse layers' recall."""
+    from minimax_m3 import MiniMaxM3Cache
+
     pairs = [encode_pair(tokenizer, document["context"], " " + choice) for choice in document["choices"]]
-    lengths = {len(context) + len(continuation) for context, continuation in pairs}
     device = model.get_input_embeddings().weight.device
     scores: List[float] = []
-    for width in sorted(lengths):  # normally one group: every choice has the same number of digits
-        members = [i for i, (c, k) in enumerate(pairs) if len(c) + len(k) == width]
-        ids = torch.tensor([(pairs[i][0] + pairs[i][1])[:-1] for i in members], dtype=torch.int64, device=device)
-        with torch.no_grad():
-            hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
-            for row, i in enumerate(members):
-                continuation = pairs[i][1]
-                logits = model.lm_head(hidden[row, -len(continuation):]).float()
-                target = torch.tensor(continuation, device=device)
-                scores.append((i, float(torch.log_softmax(logits, -1).gather(-1, target[:, None]).sum())))
+    with torch.no_grad():
+        if _shared_prefix(pairs):
+            context = torch.tensor([pairs[0][0]], dtype=torch.int64, device=device)
+            cache = MiniMaxM3Cache(model.config, 1)
+            first = model(input_ids=context, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+            cache.batch_repeat_interleave(len(pairs))
+            rest = torch.tensor([continuation[:-1] for _, continuation in pairs], dtype=torch.int64, device=device)
+            following = model(input_ids=rest, past_key_values=cache, use_cache=True).logits if rest.shape[1] else None
+            for row, (_, continuation) in enumerate(pairs):
+                logits = first[None] if following is None else torch.cat([first[None], following[row]], 0)
+                scores.append(_continuation_logprob(logits, continuation))
+        else:
+            for context, continuation in pairs:
+                ids = torch.tensor([(context + continuation)[:-1]], dtype=torch.int64, device=device)
+                hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+                scores.append(_continuation_logprob(model.lm_head(hidden[0, -len(continuation):]), continuation))
     if recall is not None:
         context, continuation = pairs[document["answer"]]
         ids = torch.tensor([(context + continuation)[:-1]], dtype=torch.int64, device=device)
@@ -137,7 +159,7 @@ def choice_loglikelihoods(model, tokenizer, document: dict, *, recall: Optional[
             output = model.model(input_ids=ids, use_cache=False, output_page_selections=True)
         for layer_input, selection in zip(single_pass(model, captured), output.page_selections):
             recall.add(layer_input, selection.flatten(0, 1))
-    return [score for _, score in sorted(scores)]
+    return scores
 
 
 def _indexer_modules(model) -> list:

@@ -82,6 +82,20 @@ class MiniMaxM3Cache:
             self._block_table_key = key
         return self._block_table
 
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every cached sequence ``repeats`` times in place (sequence ``b`` becomes ``b * repeats`` ...
+        ``b * repeats + repeats - 1``), as transformers' caches do: e.g. to score several continuations of one
+        prefix with a single prefill."""
+        if repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {repeats}")
+        for store in (self.keys, self.values, self.index_keys):
+            for layer, tensor in enumerate(store):
+                if tensor is not None:
+                    store[layer] = tensor.repeat_interleave(repeats, dim=0)
+        self.lengths = [length for length in self.lengths for _ in range(repeats)]
+        self.batch_size *= repeats
+        self._block_table_key = None
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         for store in (self.keys, self.values, self.index_keys):
             for layer, tensor in enumerate(store):

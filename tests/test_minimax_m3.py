@@ -252,6 +252,22 @@ def test_chunked_prefill_and_decode_equal_one_full_forward(index_dtype):
     torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("attention_mode", ["sparse", "dense"])
+def test_a_repeated_prefix_cache_scores_continuations_like_full_forwards(attention_mode):
+    model = tiny_model(attention_mode=attention_mode)
+    prefix, continuations = torch.randint(3, 97, (1, 37)), torch.randint(3, 97, (3, 6))
+    full = model(torch.cat([prefix.expand(3, -1), continuations], 1)).logits
+    output = model(prefix, use_cache=True)
+    cache = output[CACHE_FIELD]
+    cache.batch_repeat_interleave(3)
+    assert cache.batch_size == 3 and cache.lengths == [37, 37, 37]
+    continued = model(continuations, past_key_values=cache).logits
+    torch.testing.assert_close(continued, full[:, 37:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(output.logits.expand(3, -1, -1), full[:, :37], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="repeats"):
+        cache.batch_repeat_interleave(0)
+
+
 def test_left_padding_is_anchored_per_sequence():
     model = tiny_model()
     ids = torch.randint(3, 97, (2, 41))
