@@ -262,8 +262,8 @@ def print_accuracy_report(result: dict, stream=None) -> None:
         from .retrieval_accuracy import accuracy_table as retrieval_table
         from .retrieval_accuracy import recall_table
 
-        print(f"\nRetrieval accuracy per context length ({retrieval['choices']}-way multiple choice scored as lm-eval "
-              f"scores it; McNemar against dense)", file=stream)
+        print(f"\nRetrieval accuracy per context length: {retrieval['choices']}-way multiple choice (lm-eval's acc) / "
+              f"greedy exact match (lm-eval's is_greedy of the answer); McNemar against dense", file=stream)
         print(retrieval_table(retrieval), file=stream)
         print("\nIndexer recall: share of dense attention mass in the selected pages, per sparse layer", file=stream)
         print(recall_table(retrieval), file=stream)

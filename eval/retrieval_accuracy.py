@@ -118,14 +118,19 @@ def _shared_prefix(pairs) -> bool:
     return len(context) > 0 and all(c == context and len(k) == len(pairs[0][1]) and len(k) > 0 for c, k in pairs)
 
 
-def _continuation_logprob(logits: torch.Tensor, continuation: Sequence[int]) -> float:
+def _continuation_score(logits: torch.Tensor, continuation: Sequence[int]) -> tuple:
+    """``(log-likelihood, is_greedy)`` of ``continuation`` from the logits predicting it, as lm-eval's loglikelihood
+    requests return them (greedy: every continuation token is the argmax)."""
     target = torch.tensor(continuation, device=logits.device)
-    return float(torch.log_softmax(logits.float(), -1).gather(-1, target[:, None]).sum())
+    log_probabilities = torch.log_softmax(logits.float(), -1)
+    return (float(log_probabilities.gather(-1, target[:, None]).sum()),
+            bool((log_probabilities.argmax(-1) == target).all()))
 
 
-def choice_loglikelihoods(model, tokenizer, document: dict, *, recall: Optional[RecallAccumulator] = None) -> List[float]:
-    """Log-likelihood of each choice after the document's context, the quantity lm-eval's ``HFLM`` computes per
-    request (``encode_pair``; the sum of the continuation tokens' log-probabilities).
+def choice_loglikelihoods(model, tokenizer, document: dict, *, recall: Optional[RecallAccumulator] = None) -> List[tuple]:
+    """``(log-likelihood, is_greedy)`` of each choice after the document's context, what lm-eval's ``HFLM`` returns
+    per loglikelihood request (``encode_pair``; the sum of the continuation tokens' log-probabilities, and whether
+    greedy decoding would produce the continuation).
 
     The context is prefilled once, its cache repeated per choice (``MiniMaxM3Cache.batch_repeat_interleave``) and
     the choices' continuations run as one batch over it: the same logits as a full forward of each choice (a cached
@@ -135,7 +140,7 @@ def choice_loglikelihoods(model, tokenizer, document: dict, *, recall: Optional[
 
     pairs = [encode_pair(tokenizer, document["context"], " " + choice) for choice in document["choices"]]
     device = model.get_input_embeddings().weight.device
-    scores: List[float] = []
+    scores: List[tuple] = []
     with torch.no_grad():
         if _shared_prefix(pairs):
             context = torch.tensor([pairs[0][0]], dtype=torch.int64, device=device)
@@ -146,12 +151,12 @@ def choice_loglikelihoods(model, tokenizer, document: dict, *, recall: Optional[
             following = model(input_ids=rest, past_key_values=cache, use_cache=True).logits if rest.shape[1] else None
             for row, (_, continuation) in enumerate(pairs):
                 logits = first[None] if following is None else torch.cat([first[None], following[row]], 0)
-                scores.append(_continuation_logprob(logits, continuation))
+                scores.append(_continuation_score(logits, continuation))
         else:
             for context, continuation in pairs:
                 ids = torch.tensor([(context + continuation)[:-1]], dtype=torch.int64, device=device)
                 hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
-                scores.append(_continuation_logprob(model.lm_head(hidden[0, -len(continuation):]), continuation))
+                scores.append(_continuation_score(model.lm_head(hidden[0, -len(continuation):]), continuation))
     if recall is not None:
         context, continuation = pairs[document["answer"]]
         ids = torch.tensor([(context + continuation)[:-1]], dtype=torch.int64, device=device)
@@ -212,36 +217,52 @@ def variant(model, name: str, seed: int = SEED):
 
 def evaluate_variant(model, tokenizer, documents: Sequence[dict], name: str, *, recall_documents: int = 0,
                      progress=None) -> dict:
-    """Per-document correctness and log-likelihoods of variant ``name``; for the sparse variants, recall over the
-    first ``recall_documents`` documents of each task."""
+    """Per document: multiple-choice correctness (``correct``: the answer has the highest log-likelihood, lm-eval's
+    ``acc``), greedy exact match (``greedy``: greedy decoding writes the answer, lm-eval's ``is_greedy`` of the
+    answer's request) and the log-likelihoods of variant ``name``; for the sparse variants, recall over the first
+    ``recall_documents`` documents of each task."""
     accumulator = RecallAccumulator() if name != "dense" and recall_documents > 0 else None
-    correct, loglikelihoods, seen = [], [], {}
+    correct, greedy, loglikelihoods, seen = [], [], [], {}
     with variant(model, name) as configured:
         for document in documents:
             index = seen[document["task"]] = seen.get(document["task"], -1) + 1
-            scores = choice_loglikelihoods(configured, tokenizer, document,
-                                           recall=accumulator if index < recall_documents else None)
+            results = choice_loglikelihoods(configured, tokenizer, document,
+                                            recall=accumulator if index < recall_documents else None)
+            scores = [score for score, _ in results]
             loglikelihoods.append(scores)
             correct.append(max(range(len(scores)), key=lambda i: (scores[i], -i)) == document["answer"])
+            greedy.append(results[document["answer"]][1])
             if progress is not None:
                 progress.update(1)
-    result = {"correct": correct, "loglikelihoods": loglikelihoods}
+    result = {"correct": correct, "greedy": greedy, "loglikelihoods": loglikelihoods}
     if accumulator is not None:
         result["recall"] = [layer.as_dict() for layer in accumulator.result()]
     return result
 
 
+def _paired(dense: Sequence[bool], other: Sequence[bool]) -> dict:
+    only_dense = sum(d and not o for d, o in zip(dense, other))
+    only_this = sum(o and not d for d, o in zip(dense, other))
+    return {"only_dense_correct": only_dense, "only_this_correct": only_this,
+            "mcnemar_p": mcnemar_exact_p_value(only_dense, only_this)}
+
+
 def summarize(documents: Sequence[dict], outcome: dict, dense: Optional[dict]) -> dict:
-    summary = {"accuracy": sum(outcome["correct"]) / len(documents), "documents": len(documents), "by_task": {}}
+    """Accuracy (multiple choice) and greedy exact match, overall and per task; McNemar against ``dense``."""
+    def rate(values):
+        return sum(values) / len(values)
+
+    summary = {"accuracy": rate(outcome["correct"]), "greedy_accuracy": rate(outcome["greedy"]),
+               "documents": len(documents), "by_task": {}}
     for task in TASKS:
-        picked = [ok for ok, document in zip(outcome["correct"], documents) if document["task"] == task]
+        picked = [i for i, document in enumerate(documents) if document["task"] == task]
         if picked:
-            summary["by_task"][task] = {"accuracy": sum(picked) / len(picked), "documents": len(picked)}
+            summary["by_task"][task] = {"accuracy": rate([outcome["correct"][i] for i in picked]),
+                                        "greedy_accuracy": rate([outcome["greedy"][i] for i in picked]),
+                                        "documents": len(picked)}
     if dense is not None:
-        only_dense = sum(d and not s for d, s in zip(dense["correct"], outcome["correct"]))
-        only_this = sum(s and not d for d, s in zip(dense["correct"], outcome["correct"]))
-        summary["versus_dense"] = {"only_dense_correct": only_dense, "only_this_correct": only_this,
-                                   "mcnemar_p": mcnemar_exact_p_value(only_dense, only_this)}
+        summary["versus_dense"] = _paired(dense["correct"], outcome["correct"])
+        summary["greedy_versus_dense"] = _paired(dense["greedy"], outcome["greedy"])
     if "recall" in outcome:
         summary["recall"] = outcome["recall"]
     return summary
@@ -275,7 +296,8 @@ def evaluate_retrieval_accuracy(model, tokenizer, *, lengths: Sequence[int] = LE
             results[name]["seconds"] = time.perf_counter() - started
         per_length[length] = {name: {**summarize(docs, results[name], None if name == "dense" else results["dense"]),
                                      "seconds": results[name]["seconds"]} for name in variants}
-        outcomes[length] = {name: results[name]["correct"] for name in variants}
+        outcomes[length] = {name: {"correct": results[name]["correct"], "greedy": results[name]["greedy"]}
+                            for name in variants}
         result = {"lengths": per_length, "correct": outcomes, "documents": document_sets, "variants": list(variants),
                   "seed": seed, "choices": NUM_CHOICES, "complete": length == lengths[-1]}
         if after_length is not None:
@@ -286,25 +308,26 @@ def evaluate_retrieval_accuracy(model, tokenizer, *, lengths: Sequence[int] = LE
 
 # ---------------------------------------------------------------------------------------------- report
 def accuracy_table(result: dict) -> str:
+    """Per length and task, each variant's multiple-choice accuracy / greedy exact match, and the McNemar p-values
+    of both against dense (over all documents of the length)."""
     variants = result["variants"]
     rows = []
     for length, by_variant in result["lengths"].items():
         for task in (*TASKS, "all"):
-            cells = []
+            cells, count = [], None
             for name in variants:
-                summary = by_variant[name]
-                if task == "all":
-                    value, count = summary["accuracy"], summary["documents"]
-                elif task in summary["by_task"]:
-                    value, count = summary["by_task"][task]["accuracy"], summary["by_task"][task]["documents"]
-                else:
-                    value = count = None
-                cells.append("-" if value is None else f"{value:.3f}")
-            if task != "all" and cells[0] == "-":
+                summary = by_variant[name] if task == "all" else by_variant[name]["by_task"].get(task)
+                if summary is None:
+                    cells.append("-")
+                    continue
+                count = summary["documents"]
+                cells.append(f"{summary['accuracy']:.2f} / {summary['greedy_accuracy']:.2f}")
+            if count is None:
                 continue
-            p_values = [by_variant[name].get("versus_dense", {}).get("mcnemar_p") for name in variants[1:]]
-            rows.append([str(length), task, str(count if task != "all" else by_variant["dense"]["documents"]), *cells,
-                         " ".join("-" if p is None or task != "all" else f"{p:.2g}" for p in p_values)])
+            p_values = "-" if task != "all" else " ".join(
+                f"{by_variant[name]['versus_dense']['mcnemar_p']:.2g} / {by_variant[name]['greedy_versus_dense']['mcnemar_p']:.2g}"
+                for name in variants[1:])
+            rows.append([str(length), task, str(count), *cells, p_values])
     header = ["length", "task", "n", *variants, "McNemar p vs dense (" + ", ".join(variants[1:]) + ")"]
     return format_table(header, rows)
 
@@ -326,18 +349,19 @@ def plot(result: dict, path: Path) -> Path:
     lengths = [int(length) for length in result["lengths"]]
     figure, axes = plt.subplots(1, len(TASKS), figsize=(5 * len(TASKS), 3.6), squeeze=False)
     for axis, task in zip(axes[0], TASKS):
-        for name in result["variants"]:
-            values = [result["lengths"][length][name]["by_task"].get(task, {}).get("accuracy", float("nan"))
-                      for length in result["lengths"]]
-            axis.plot(lengths, values, marker="o", label=name)
+        for index, name in enumerate(result["variants"]):
+            for metric, style, suffix in (("accuracy", "-", "multiple choice"), ("greedy_accuracy", "--", "greedy")):
+                values = [result["lengths"][length][name]["by_task"].get(task, {}).get(metric, float("nan"))
+                          for length in result["lengths"]]
+                axis.plot(lengths, values, style, marker="o", color=f"C{index}", label=f"{name}, {suffix}")
         axis.set_xscale("log", base=2)
         axis.set_xticks(lengths, [f"{length // 1024}K" for length in lengths])
         axis.set_ylim(-0.02, 1.02)
-        axis.set_title(f"{task} retrieval ({NUM_CHOICES} choices)")
+        axis.set_title(f"{task} retrieval ({NUM_CHOICES} choices; dashed: greedy exact match)")
         axis.set_xlabel("context length (tokens)")
         axis.set_ylabel("accuracy")
         axis.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=8)
+    axes[0][-1].legend(fontsize=6)
     return save_figure(figure, path)
 
 
@@ -392,7 +416,8 @@ def run_command(argv: Optional[Sequence[str]] = None) -> dict:
                                          after_length=save_partial)
     result["model"] = description
     result["seconds"] = time.perf_counter() - started
-    print("\nRetrieval accuracy (multiple choice, lm-eval scoring) per context length\n")
+    print("\nRetrieval accuracy per context length: multiple choice (lm-eval's acc) / greedy exact match (lm-eval's "
+          "is_greedy of the answer)\n")
     print(accuracy_table(result))
     print("\nIndexer recall: share of dense attention mass in the selected pages\n")
     print(recall_table(result))

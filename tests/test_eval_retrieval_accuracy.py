@@ -104,6 +104,8 @@ def test_own_loop_gives_lm_evals_numbers(trained, tmp_path, variant):
     theirs = [[float(r[0]) for r in sample["filtered_resps"]] for sample in samples]
     torch.testing.assert_close(torch.tensor(ours["loglikelihoods"]), torch.tensor(theirs), atol=1e-4, rtol=1e-5)
     assert ours["correct"] == [bool(sample["acc"]) for sample in samples]
+    their_greedy = [bool(sample["filtered_resps"][document["answer"]][1]) for sample, document in zip(samples, documents)]
+    assert ours["greedy"] == their_greedy
 
 
 def test_report_and_json_schema(trained, tmp_path):
@@ -115,6 +117,10 @@ def test_report_and_json_schema(trained, tmp_path):
     summary = result["lengths"][512]["sliding-window"]
     assert set(summary["by_task"]) == {"key_value", "passkey"} and summary["documents"] == 2
     assert summary["versus_dense"]["mcnemar_p"] == pytest.approx(1.0)  # 512 tokens: the window holds every page
+    assert summary["greedy_versus_dense"]["mcnemar_p"] == pytest.approx(1.0)
+    per_document = result["correct"][512]
+    assert per_document["dense"] == per_document["sliding-window"]  # every page kept: the same outcomes
+    assert all(len(values) == 2 and all(isinstance(v, bool) for v in values) for values in per_document["dense"].values())
     assert [layer["recall"] for layer in summary["recall"]] == pytest.approx([1.0, 1.0])
     table = ra.accuracy_table(result)
     assert table.splitlines()[0].startswith("| length | task") and "sliding-window" in table
