@@ -101,7 +101,7 @@ class TrainingPlan:
     log_every: int
     checkpoint_every_s: float
     # 0 trains stage 1 on the answer tokens only; a positive weight adds the next-token loss over whole documents,
-    # without which key-value retrieval stalled at matching one of the key's two words (docs/TRAINING.md)
+    # without which key-value retrieval stalled at about half the 128-token documents (docs/TRAINING.md)
     stage1_lm_loss_weight: float = 0.0
 
     def batch_size(self, length: int, tokens_per_step: Optional[int] = None) -> int:
