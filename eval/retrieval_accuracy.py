@@ -324,7 +324,7 @@ def accuracy_table(result: dict) -> str:
                 cells.append(f"{summary['accuracy']:.2f} / {summary['greedy_accuracy']:.2f}")
             if count is None:
                 continue
-            p_values = "-" if task != "all" else " ".join(
+            p_values = "-" if task != "all" else ", ".join(
                 f"{by_variant[name]['versus_dense']['mcnemar_p']:.2g} / {by_variant[name]['greedy_versus_dense']['mcnemar_p']:.2g}"
                 for name in variants[1:])
             rows.append([str(length), task, str(count), *cells, p_values])
@@ -344,24 +344,29 @@ def recall_table(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> Path:
-    """Accuracy against context length, one panel per task, one line per variant."""
+    """Accuracy against context length: a row per metric (multiple choice, greedy exact match), a column per task,
+    a line per variant (markers and widths differ so that equal values stay visible)."""
     plt = pyplot()
     lengths = [int(length) for length in result["lengths"]]
-    figure, axes = plt.subplots(1, len(TASKS), figsize=(5 * len(TASKS), 3.6), squeeze=False)
-    for axis, task in zip(axes[0], TASKS):
-        for index, name in enumerate(result["variants"]):
-            for metric, style, suffix in (("accuracy", "-", "multiple choice"), ("greedy_accuracy", "--", "greedy")):
+    metrics = (("accuracy", "multiple choice"), ("greedy_accuracy", "greedy exact match"))
+    figure, axes = plt.subplots(len(metrics), len(TASKS), figsize=(5.5 * len(TASKS), 3.4 * len(metrics)), squeeze=False)
+    markers = "osD^vP"
+    for row, (metric, metric_label) in enumerate(metrics):
+        for column, task in enumerate(TASKS):
+            axis = axes[row][column]
+            for index, name in enumerate(result["variants"]):
                 values = [result["lengths"][length][name]["by_task"].get(task, {}).get(metric, float("nan"))
                           for length in result["lengths"]]
-                axis.plot(lengths, values, style, marker="o", color=f"C{index}", label=f"{name}, {suffix}")
-        axis.set_xscale("log", base=2)
-        axis.set_xticks(lengths, [f"{length // 1024}K" for length in lengths])
-        axis.set_ylim(-0.02, 1.02)
-        axis.set_title(f"{task} retrieval ({NUM_CHOICES} choices; dashed: greedy exact match)")
-        axis.set_xlabel("context length (tokens)")
-        axis.set_ylabel("accuracy")
-        axis.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=6)
+                axis.plot(lengths, values, marker=markers[index % len(markers)], markersize=8 - index,
+                          linewidth=3.0 - 0.5 * index, color=f"C{index}", label=name, alpha=0.85)
+            axis.set_xscale("log", base=2)
+            axis.set_xticks(lengths, [f"{length // 1024}K" for length in lengths])
+            axis.set_ylim(-0.04, 1.04)
+            axis.set_title(f"{task}: {metric_label}", fontsize=10)
+            axis.set_xlabel("context length (tokens)")
+            axis.set_ylabel("accuracy")
+            axis.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7)
     return save_figure(figure, path)
 
 
