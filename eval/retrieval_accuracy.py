@@ -2,9 +2,12 @@
 ``python -m eval.retrieval_accuracy``.
 
 The documents are the bundled retrieval task's kind (``eval.synthetic_retrieval``: key-value lines or one pass key
-in public-domain text, the question at the end), generated deterministically per length from ``--seed``, and
-scored as lm-eval scores a ``multiple_choice`` task: the log-likelihood of each choice (``" " + value``) after the
-context, tokenised as lm-eval's causal ``HFLM`` does (``encode_pair``), accuracy = argmax is the answer.
+in public-domain text, the question at the end), generated deterministically per length and task from ``--seed``,
+and scored from the requests lm-eval makes for a ``multiple_choice`` task: the log-likelihood of each choice
+(``" " + value``) after the context, tokenised as lm-eval's causal ``HFLM`` does (``encode_pair``). Two metrics:
+multiple choice (lm-eval's ``acc``: the answer has the highest log-likelihood) and greedy exact match (lm-eval's
+``is_greedy`` of the answer: greedy decoding writes it), the stricter test of an indexer, since with the answer's
+tokens given the continuation's own page selections can still reach the needle.
 ``retrieval_length_task`` writes the same documents as an lm-eval task (YAML + JSONL), so on CPU lm-eval and this
 loop can be run on identical data (``tests/test_eval_retrieval_accuracy.py`` checks that they agree document by
 document); this loop is what runs on the GPU machine, where lm-eval is not installed.
@@ -12,9 +15,9 @@ document); this loop is what runs on the GPU machine, where lm-eval is not insta
 Variants (``VARIANTS``), all on the same weights: ``dense`` (every layer full attention), ``sparse`` (the trained
 indexer, FP8 index path as served), ``sparse-bf16-index`` (the index path in bf16), ``untrained-indexer`` (the
 indexer's projections and norms re-initialised, FP8) and ``sliding-window`` (the 16 most recent pages:
-``page_selection="recent"``). Per length and variant: accuracy per task, the paired exact McNemar p-value against
-``dense`` and, for the sparse variants, the recall of each sparse layer (``eval.recall``: the share of dense
-attention mass in the selected pages) on the first ``--recall-documents`` documents.
+``page_selection="recent"``). Per length and variant: both metrics per task, their paired exact McNemar p-values
+against ``dense`` and, for the sparse variants, the recall of each sparse layer (``eval.recall``: the share of dense
+attention mass in the selected pages) on the first ``--recall-documents`` documents of each task.
 """
 
 from __future__ import annotations
