@@ -326,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--agreement-sequences", type=int, default=4)
     parser.add_argument("--agreement-positions", type=int, default=256,
                         help="positions sampled per group (within / beyond the top-k window)")
-    parser.add_argument("--retrieval-lengths", default=None,
+    parser.add_argument("--retrieval-lengths", type=_retrieval_lengths, default=None,
                         help=f"context lengths of the retrieval-by-length report (default for the tiny models: "
                              f"{RETRIEVAL_LENGTHS_GPU} on a GPU, {RETRIEVAL_LENGTHS_CPU} on CPU; for --model PATH: "
                              f"none; 'none' skips it)")
@@ -336,6 +336,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", default=None, help="JSON results (default: eval_results/accuracy-<time>.json)")
     parser.add_argument("--verbose", action="store_true", help="lm-eval's own INFO logging")
     return parser
+
+
+def _retrieval_lengths(text: str):
+    """``'none'`` or comma-separated positive token counts (the retrieval report's parser)."""
+    from .retrieval_accuracy import positive_ints
+
+    return text if text == "none" else positive_ints(text)
 
 
 def _limit(value: Optional[float]):
@@ -376,14 +383,13 @@ def run_command(argv=None) -> dict:
     # documents need; a checkpoint gets the report when --retrieval-lengths asks for it
     default_lengths = "none" if args.model not in (None, EMBEDDED) else (
         RETRIEVAL_LENGTHS_GPU if on_gpu else RETRIEVAL_LENGTHS_CPU)
-    lengths = args.retrieval_lengths or default_lengths
+    lengths = args.retrieval_lengths or _retrieval_lengths(default_lengths)
     if lengths != "none":
         from . import retrieval_accuracy
 
         documents = args.retrieval_documents or (16 if on_gpu else 1)
         result["retrieval_by_length"] = retrieval_accuracy.evaluate_retrieval_accuracy(
-            model, tokenizer, lengths=tuple(int(length) for length in lengths.split(",")), documents=documents,
-            recall_documents=min(documents, 4))
+            model, tokenizer, lengths=lengths, documents=documents, recall_documents=min(documents, 4))
     result.update(description)
     result["environment"] = environment()
     print_accuracy_report(result)

@@ -45,7 +45,7 @@ from .synthetic_retrieval import TASKS, VALUE_DIGITS, RetrievalDataConfig, Retri
 
 __all__ = ["LENGTHS", "VARIANTS", "NUM_CHOICES", "make_documents", "retrieval_length_task", "encode_pair",
            "choice_loglikelihoods", "evaluate_variant", "evaluate_retrieval_accuracy", "accuracy_table",
-           "recall_table", "main"]
+           "recall_table", "positive_ints", "main"]
 
 logger = logging.getLogger(__name__)
 
@@ -374,7 +374,7 @@ def plot(result: dict, path: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- command line
-def _positive_ints(text: str) -> tuple:
+def positive_ints(text: str) -> tuple:
     try:
         values = tuple(int(part) for part in text.split(","))
     except ValueError:
@@ -387,7 +387,7 @@ def _positive_ints(text: str) -> tuple:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m eval.retrieval_accuracy", description=__doc__.splitlines()[0].replace("``", "`"))
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the shipped trained tiny model)")
-    parser.add_argument("--lengths", type=_positive_ints, default=LENGTHS, help="context lengths in tokens")
+    parser.add_argument("--lengths", type=positive_ints, default=LENGTHS, help="context lengths in tokens")
     parser.add_argument("--documents", type=int, default=16, help="documents per task and length")
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated among {', '.join(TASKS)}")
     parser.add_argument("--recall-documents", type=int, default=4,

@@ -115,7 +115,7 @@ FULL_PLAN = TrainingPlan(
     stage1_phases=(
         # Retrieval is learnt first where attention is not diluted over thousands of tokens. In the H200 sweep
         # (docs/TRAINING.md) 128-token documents with 4 pairs were solved after ~4,200 steps with the next-token loss
-        # and RoPE theta 1e4, and stayed at ~50 % (one key word matched) without either.
+        # and RoPE theta 1e4, and stayed at ~50 % without either.
         Phase((128,), 6000, 0.9, RetrievalDataConfig(queries=2, max_pairs=4, min_answer_distance=0), 16384),
         Phase((256,), 1500, 0.9, RetrievalDataConfig(queries=4, max_pairs=8, min_answer_distance=32), 32768),
         Phase((512,), 1000, 0.9, RetrievalDataConfig(queries=4, max_pairs=16, min_answer_distance=64)),
@@ -633,8 +633,7 @@ def model_card(summary: dict) -> str:
     if key_value_dense and max(key_value_dense) < 0.5:
         lines += ["", "## Limitations", "",
                   "The dense model did not learn key-value retrieval at the evaluated lengths (at most "
-                  f"{_percent(max(key_value_dense))} exact match): it copies a value but does not match the two-word "
-                  "key. Pass-key retrieval is learnt, so the indexer's effect shows on the pass-key documents; "
+                  f"{_percent(max(key_value_dense))} exact match): it copies a value but does not match the key. Pass-key retrieval is learnt, so the indexer's effect shows on the pass-key documents; "
                   "key-value accuracy differences between modes are noise here (docs/ACCURACY.md)."]
     return "\n".join(lines) + "\n"
 

@@ -88,20 +88,20 @@ class MiniMaxM3Cache:
         prefix with a single prefill."""
         if repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {repeats}")
-        for store in (self.keys, self.values, self.index_keys):
-            for layer, tensor in enumerate(store):
-                if tensor is not None:
-                    store[layer] = tensor.repeat_interleave(repeats, dim=0)
-        self.lengths = [length for length in self.lengths for _ in range(repeats)]
-        self.batch_size *= repeats
-        self._block_table_key = None
+        self._take_sequences(torch.arange(self.batch_size).repeat_interleave(repeats))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._take_sequences(beam_idx)
+
+    def _take_sequences(self, index: torch.Tensor) -> None:
+        """Keep the cached sequences ``index`` (repeats allowed), in that order."""
         for store in (self.keys, self.values, self.index_keys):
             for layer, tensor in enumerate(store):
                 if tensor is not None:
-                    store[layer] = tensor.index_select(0, beam_idx.to(tensor.device))
-        self.lengths = [self.lengths[i] for i in beam_idx.tolist()]
+                    store[layer] = tensor.index_select(0, index.to(tensor.device))
+        self.lengths = [self.lengths[i] for i in index.tolist()]
+        self.batch_size = len(self.lengths)
+        self._block_table_key = None
 
     def layer_device(self, layer: int) -> Optional[torch.device]:
         tensor = self.keys[layer]

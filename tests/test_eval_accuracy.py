@@ -160,3 +160,10 @@ def test_compare_modes_pairs_samples_by_doc_id_and_skips_perplexity_samples():
 def test_unknown_task_is_a_clear_error(isolated):
     with pytest.raises(ValueError, match="unknown task.*no_such_task"):
         accuracy.TaskSession(["m3_kv_retrieval_short", "no_such_task"])
+
+
+@pytest.mark.parametrize("value", ["0", "2048,x", ""])
+def test_bad_retrieval_lengths_name_the_argument(value, capsys):
+    with pytest.raises(SystemExit):
+        accuracy.build_parser().parse_args(["--retrieval-lengths", value])
+    assert "--retrieval-lengths" in capsys.readouterr().err
