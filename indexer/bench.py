@@ -192,7 +192,7 @@ def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "
                   weight=case.get("representative_weight") or 0, num_heads=num_heads, slots=slots, tasks=tasks,
                   sm_busy=balance,
                   backend=wrapper.active_backend, precision=precision, tile_rows=wrapper.task_plan.shape.tile_rows,
-                  page_chunk=wrapper.task_plan.shape.page_chunk,
+                  page_chunk=wrapper.task_plan.shape.page_chunk, topk_lane_list=_topk_lane_list(),
                   useful_flops=useful_flops(lengths, num_heads))
     result["scores_ms"], result["scores_cv"] = time_graphs(scores_only)
     result["run_ms"], result["run_cv"] = time_graphs(runs)
@@ -201,6 +201,12 @@ def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "
         result["baseline_ms"], result["baseline_cv"] = time_graphs(base_runs)
     result["tflops_scores"] = result["useful_flops"] / result["scores_ms"] / 1e9
     return result
+
+
+def _topk_lane_list():
+    from . import cute_backend
+
+    return cute_backend.TOPK_LANE_LIST_LENGTH
 
 
 def main(argv=None):
@@ -219,7 +225,14 @@ def main(argv=None):
     parser.add_argument("--precision", choices=["auto", "fp8", "exact"], default="auto")
     parser.add_argument("--tile-rows", type=int, choices=[128, 256], default=None,
                         help="score-kernel q-tile rows (default: the library's)")
+    parser.add_argument("--topk-lane-list", choices=["4", "none"], default=None,
+                        help="top-k kernel: keys per lane in its fast path, or none for the exhaustive path only "
+                             "(default: the library's)")
     args = parser.parse_args(argv)
+    if args.topk_lane_list:
+        from . import cute_backend
+
+        cute_backend.TOPK_LANE_LIST_LENGTH = None if args.topk_lane_list == "none" else int(args.topk_lane_list)
     if args.chunk_policy:
         from . import planner
 
@@ -256,17 +269,31 @@ def print_summary(results):
               f"{r['scores_ms'] * 1e3:.1f} | {r['topk_ms'] * 1e3:.1f} | {r['run_ms'] * 1e3:.1f} | {base} | {r['tflops_scores']:.0f} |")
     for num_heads in sorted({r["num_heads"] for r in results}):
         subset = [r for r in results if r["num_heads"] == num_heads and r["weight"]]
-        if not subset:
-            continue
-        weight = sum(r["weight"] for r in subset)
-        line = f"H={num_heads}: weighted mean scores {sum(r['weight'] * r['scores_ms'] for r in subset) / weight * 1e3:.1f} us"
-        line += f", top-k {sum(r['weight'] * r['topk_ms'] for r in subset) / weight * 1e3:.1f} us"
-        line += f", run {sum(r['weight'] * r['run_ms'] for r in subset) / weight * 1e3:.1f} us"
-        if all("baseline_ms" in r for r in subset):
-            line += f", baseline {sum(r['weight'] * r['baseline_ms'] for r in subset) / weight * 1e3:.1f} us"
-        floor = sum(r["weight"] * r["useful_flops"] for r in subset) / weight / (MEASURED_CUBLAS_FP8_TFLOPS * 1e12) * 1e6
-        line += f", floor at {MEASURED_CUBLAS_FP8_TFLOPS:.0f} TFLOP/s {floor:.1f} us"
-        print(line)
+        if subset:
+            weight = sum(r["weight"] for r in subset)
+            line = f"H={num_heads}: weighted mean scores {sum(r['weight'] * r['scores_ms'] for r in subset) / weight * 1e3:.1f} us"
+            line += f", top-k {sum(r['weight'] * r['topk_ms'] for r in subset) / weight * 1e3:.1f} us"
+            line += f", run {sum(r['weight'] * r['run_ms'] for r in subset) / weight * 1e3:.1f} us"
+            if all("baseline_ms" in r for r in subset):
+                line += f", baseline {sum(r['weight'] * r['baseline_ms'] for r in subset) / weight * 1e3:.1f} us"
+            floor = sum(r["weight"] * r["useful_flops"] for r in subset) / weight / (MEASURED_CUBLAS_FP8_TFLOPS * 1e12) * 1e6
+            line += f", floor at {MEASURED_CUBLAS_FP8_TFLOPS:.0f} TFLOP/s {floor:.1f} us"
+            print(line)
+        for name, rows in query_length_classes([r for r in results if r["num_heads"] == num_heads]).items():
+            if rows:
+                print(f"H={num_heads} {name}: {len(rows)} cases, median run "
+                      f"{statistics.median(r['run_ms'] for r in rows) * 1e3:.1f} us, median scores "
+                      f"{statistics.median(r['scores_ms'] for r in rows) * 1e3:.1f} us, median SM busy "
+                      f"{statistics.median(r['sm_busy'] for r in rows):.2f}")
+
+
+def query_length_classes(results) -> dict:
+    """The suite's classes by query tokens: short (< 512), medium (512-4095), long (>= 4096)."""
+    classes = {"short (< 512 q)": [], "medium (512-4095 q)": [], "long (>= 4096 q)": []}
+    for r in results:
+        name = "short (< 512 q)" if r["total_q"] < 512 else "medium (512-4095 q)" if r["total_q"] < 4096 else "long (>= 4096 q)"
+        classes[name].append(r)
+    return classes
 
 
 if __name__ == "__main__":

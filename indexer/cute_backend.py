@@ -22,6 +22,10 @@ SCORE_TILE_ROWS = 256
 """Rows per q tile of the score kernel: 128 (2 consumer warpgroups with paired pages) or 256 (4 consumer
 warpgroups). The plan is built for it; chosen by measurement (docs/PERFORMANCE.md)."""
 
+TOPK_LANE_LIST_LENGTH = 4
+"""Keys per lane in the top-k kernel's fast path (4), or None for the exhaustive path only; the result is the same
+bit for bit, the speed differs (docs/PERFORMANCE.md)."""
+
 
 def dsl_version() -> str:
     return importlib.metadata.version("nvidia-cutlass-dsl")
@@ -114,7 +118,9 @@ def run_topk_select(scores: torch.Tensor, num_valid_pages: torch.Tensor, out: to
             as_cute_tensor(out, leading_dim=1, align=4),
             cute_stream(),
         )
-        kernel = compile_once(("topk_select", dsl_version()), TopkSelectKernel, arguments)
+        lane_list_length = TOPK_LANE_LIST_LENGTH
+        kernel = compile_once(("topk_select", lane_list_length, dsl_version()),
+                              lambda: TopkSelectKernel(lane_list_length), arguments)
         kernel(*arguments)
 
 

@@ -114,6 +114,37 @@ def test_gpu_topk_matches_the_torch_topk_bitwise():
 
 
 @pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
+@pytest.mark.parametrize("lane_list_length", [4, None])
+def test_gpu_topk_paths_and_the_fast_paths_fallback_match_torch_bitwise(lane_list_length, monkeypatch):
+    """Every row length around the kernel's path boundaries (8 / 12 / 16 / 24 cached slots, the re-read
+    beyond), and rows built so that one lane holds most of the top 15: the fast path must hand them
+    to the exhaustive one (a lane keeps only its 4 best keys), with the same result."""
+    from indexer import cute_backend
+
+    monkeypatch.setattr(cute_backend, "TOPK_LANE_LIST_LENGTH", lane_list_length)
+    generator = torch.Generator().manual_seed(12)
+    boundaries = [17, 18, 33, 47, 48, 49, 256, 257, 258, 300, 384, 385, 386, 512, 513, 514, 700, 768, 769, 770, 800,
+                  1025, 4000]
+    valid = torch.tensor(boundaries * 40, dtype=torch.int32)
+    rows, cols = valid.shape[0], 4100
+    scores = torch.randn(rows, cols, generator=generator)
+    kind = torch.arange(rows) % 5
+    lane = torch.randint(0, 32, (rows,), generator=generator)
+    columns = torch.arange(cols)
+    same_lane = (columns[None, :] % 32) == lane[:, None]
+    scores = torch.where((kind == 1)[:, None] & same_lane, scores + 8.0, scores)  # one lane holds the top 15
+    two_lanes = same_lane | ((columns[None, :] % 32) == ((lane + 7) % 32)[:, None])
+    scores = torch.where((kind == 2)[:, None] & two_lanes, scores + 8.0, scores)  # two lanes: 8 and 7 winners
+    level_ties = torch.randint(0, 3, (rows, cols), generator=generator).float()
+    scores = torch.where((kind == 3)[:, None], level_ties, scores)  # ties broken by page order
+    four_in_a_lane = same_lane & (columns[None, :] < 4 * 32)  # exactly 4 winners in one lane, the rest spread
+    scores = torch.where((kind == 4)[:, None] & four_in_a_lane, scores + 8.0, scores)
+    expected = topk_select(scores, valid, backend="torch")
+    got = topk_select(scores.cuda(), valid.cuda())
+    assert torch.equal(got.cpu(), expected)
+
+
+@pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
 def test_kernel_is_deterministic_and_graph_replay_matches_eager():
     case = make_case([(1500, 40000), (7, 9000)], num_heads=2, seed=3)
     device = torch.device("cuda")

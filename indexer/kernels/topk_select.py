@@ -1,15 +1,19 @@
 """Forced-local-page top-k selection on the GPU, bit for bit the contract's (docs/INDEXER.md).
 
 One warp per score row, several rows per CTA, one launch for all rows. Each lane reads a strided
-share of the row's history: the first 16 columns per lane stay in registers, longer rows read the
-rest twice. Pass one finds the row's min/max (warp butterflies), pass two builds the 16-bit
-quantised keys. A lane sorts its 16 cached keys with a fixed odd-even merge network (branch-free
-integer min/max), inserts the keys of any further columns into that sorted list, and parks the list in
-shared memory. The warp then takes the top 15 in 15 rounds of one ``redux.sync.max`` over the
-lanes' list heads; the winning lane advances its head by one shared-memory read. The arithmetic is
-written in PTX with explicit rounding (``sub.rn``, ``div.rn``, ``fma.rn``, ``cvt.rzi``) so no
-compiler contraction or approximation can change a key. Keys are held as signed int32 with the top
-bit flipped, which keeps the unsigned key order under signed comparisons.
+share of the row's history into registers (8, 12 or 16 columns by row length; rows beyond 512
+history pages read the rest twice). Pass one finds the row's min/max (warp butterflies), pass two
+builds the 16-bit quantised keys. On rows of more than 256 pages a lane keeps its 4 largest keys
+(groups of four sorted by a network of branch-free integer min/max, merged pairwise) and parks them
+in shared memory. The warp
+then takes the top 15 in 15 rounds of one ``redux.sync.max`` over the lanes' list heads; the winning
+lane advances its head by one shared-memory read. A row where one lane wins 4 of the first 14 rounds
+is redone by the exhaustive path, where every lane sorts all its keys (odd-even merge network), so
+the result never depends on how the keys fall across lanes. The arithmetic is written in PTX with
+explicit rounding (``sub.rn``, ``div.rn``, ``fma.rn``, ``cvt.rzi``) so no compiler contraction or
+approximation can change a key. Keys are held as signed int32 with the top bit flipped, which keeps
+the unsigned key order under signed comparisons. The top-k kernel is bound by the integer (ALU) pipe
+(ncu, docs/PERFORMANCE.md): the list length trades its min/max count against the fallback rate.
 """
 
 from __future__ import annotations
@@ -102,13 +106,35 @@ def odd_even_merge_sort_network(size: int) -> list:
     return list(sort(0, size))
 
 
+def sort4_descending_network() -> list:
+    """The 5 compare-exchanges that sort four values (optimal for n = 4)."""
+    return [(0, 1), (2, 3), (0, 2), (1, 3), (1, 2)]
+
+
 class TopkSelectKernel:
-    """``out[r, :] = select(scores[r, :n-1], n = num_valid_pages[r])`` for k = 16 (k - 1 ranked slots)."""
+    """``out[r, :] = select(scores[r, :n-1], n = num_valid_pages[r])`` for k = 16 (k - 1 ranked slots).
+
+    ``lane_list_length`` = 4 (default): the fast path. A lane keeps only its 4 largest keys (sorted
+    groups of four merged pairwise: 76 integer min/max for 16 keys instead of 126), the warp merges the
+    lists as before, and a row where some lane wins 4 of the first 14 rounds (its 5th key could belong to
+    the top 15; about 1 % of rows of random scores in a CPU model of the algorithm) is redone by the
+    exhaustive path.
+    Rows of 257-384 and 385+ history pages take it with 12 and 16 cached scores per lane (a 24-slot path
+    was faster on 513-768 pages but raised the kernel to 52 registers); rows of up to 256 pages keep the
+    exhaustive 8-slot path, which measured faster there. ``None``: the exhaustive path only (every lane
+    sorts all its keys; the v5 kernel).
+    """
 
     topk = 16
     warps_per_cta = 4
-    cached_per_lane = 16  # rows of up to 512 history pages are read once
-    short_row_slots = 8  # rows of up to 256 history pages take a path of half the work
+    cached_per_lane = 16  # exhaustive path: rows of up to 512 history pages are read once
+    short_row_slots = 8  # exhaustive path: rows of up to 256 history pages take a path of half the work
+    fast_slot_paths = (12, 16)  # fast path: cached scores per lane, by row length; longer rows read the rest twice
+
+    def __init__(self, lane_list_length=4):
+        if lane_list_length not in (None, 4):
+            raise ValueError(f"lane_list_length must be 4 or None, got {lane_list_length!r}")
+        self.lane_list_length = lane_list_length
 
     @cute.jit
     def __call__(
@@ -137,16 +163,138 @@ class TopkSelectKernel:
         )
         if row < cute.size(mNumValidPages, mode=[0]):
             num_valid = mNumValidPages[row]
+            history = num_valid - 1
             if num_valid <= self.topk:
                 if lane < self.topk:
                     mOut[row, lane] = lane if lane < num_valid else -1
-            elif num_valid - 1 <= 32 * self.short_row_slots:
-                self.select_row(mScores, mOut, sLists, row, lane, warp, num_valid, self.short_row_slots)
             else:
-                self.select_row(mScores, mOut, sLists, row, lane, warp, num_valid, self.cached_per_lane)
+                exhaustive = cutlass.Boolean(True)
+                if cutlass.const_expr(self.lane_list_length is not None):
+                    # rows of up to 256 history pages keep the exhaustive 8-slot path: measured faster there
+                    paths = self.fast_slot_paths
+                    if history <= 32 * self.short_row_slots:
+                        exhaustive = cutlass.Boolean(True)
+                    elif history <= 32 * paths[0]:
+                        exhaustive = self.select_row_fast(mScores, mOut, sLists, row, lane, warp, history, paths[0],
+                                                          self.short_row_slots)
+                    else:
+                        exhaustive = self.select_row_fast(mScores, mOut, sLists, row, lane, warp, history, paths[1], paths[0])
+                if exhaustive:
+                    if history <= 32 * self.short_row_slots:
+                        self.select_row(mScores, mOut, sLists, row, lane, warp, num_valid, self.short_row_slots)
+                    else:
+                        self.select_row(mScores, mOut, sLists, row, lane, warp, num_valid, self.cached_per_lane)
+
+    @cute.jit
+    def quantisation(self, low, high):
+        """The contract's row scale and bias from the row's min and max (docs/INDEXER.md)."""
+        spread = sub_rn(high, low)
+        quotient = div_rn(QUANT_LEVELS, spread)
+        usable = (spread != 0.0) & (quotient < float("inf"))
+        scale = quotient if usable else cutlass.Float32(0.0)
+        return scale, fma_rn(-low, scale, QUANT_BIAS)
+
+    @staticmethod
+    def warp_min_max(low, high):
+        for offset in range(5):
+            low = fmin(low, cute.arch.shuffle_sync_bfly(low, offset=1 << offset))
+            high = cute.arch.fmax(high, cute.arch.shuffle_sync_bfly(high, offset=1 << offset))
+        return low, high
+
+    @staticmethod
+    def compare_exchange(keys, i: int, j: int):
+        larger = cutlass.max(keys[i], keys[j])
+        keys[j] = cutlass.min(keys[i], keys[j])
+        keys[i] = larger
+
+    @cute.jit
+    def select_row_fast(self, mScores, mOut, sLists, row, lane, warp, history, slots: cutlass.Constexpr,
+                        full_slots: cutlass.Constexpr):
+        """The fast path for rows of at most ``32 * slots`` history pages (more for the last path, whose
+        further columns are read twice); slots below ``full_slots`` are known to lie inside the history.
+        Returns whether the row needs the exhaustive path (nothing is written then)."""
+        cached = cute.make_rmem_tensor((slots,), cutlass.Float32)
+        low = cutlass.Float32(float("inf"))
+        high = cutlass.Float32(float("-inf"))
+        for i in cutlass.range_constexpr(slots):
+            cached[i] = self.read_slot(mScores, row, lane, history, i, full_slots)
+            low = fmin(low, cached[i])
+            high = cute.arch.fmax(high, cached[i])
+        longest = slots == self.fast_slot_paths[-1]
+        if cutlass.const_expr(longest):
+            for column in cutlass.range(lane + 32 * slots, history, 32, unroll=1):
+                value = mScores[row, column]
+                low = fmin(low, value)
+                high = cute.arch.fmax(high, value)
+        low, high = self.warp_min_max(low, high)
+        scale, bias = self.quantisation(low, high)
+
+        # the lane's 4 largest keys, descending: sort each group of four, merge it into the list
+        # (the elementwise max against the reversed group leaves the top four as a bitonic sequence)
+        page_bits = self.page_bits(lane)
+        best = cute.make_rmem_tensor((4,), cutlass.Int32)
+        group = cute.make_rmem_tensor((4,), cutlass.Int32)
+        for g in cutlass.range_constexpr(slots // 4):
+            for j in cutlass.range_constexpr(4):
+                i = 4 * g + j
+                key = self.key_of_level(self.level(cached[i], scale, bias), page_bits - 32 * i)
+                if cutlass.const_expr(i >= full_slots):
+                    key = cutlass.Int32(cutlass.select_(lane + 32 * i < history, key, _INT32_MIN))
+                if cutlass.const_expr(g == 0):
+                    best[j] = key
+                else:
+                    group[j] = key
+            if cutlass.const_expr(g == 0):
+                for i, j in sort4_descending_network():
+                    self.compare_exchange(best, i, j)
+            else:
+                for i, j in sort4_descending_network():
+                    self.compare_exchange(group, i, j)
+                for j in cutlass.range_constexpr(4):
+                    best[j] = cutlass.max(best[j], group[3 - j])
+                for i, j in ((0, 2), (1, 3), (0, 1), (2, 3)):
+                    self.compare_exchange(best, i, j)
+        if cutlass.const_expr(longest):
+            for column in cutlass.range(lane + 32 * slots, history, 32, unroll=1):
+                key = self.key_of_level(self.level(mScores[row, column], scale, bias), self.page_bits(column))
+                if key > best[3]:
+                    for slot in cutlass.range_constexpr(4):
+                        held = best[slot]
+                        best[slot] = cutlass.max(held, key)
+                        key = cutlass.min(held, key)
+        for slot in cutlass.range_constexpr(4):
+            sLists[lane, slot, warp] = best[slot]
+        sLists[lane, 4, warp] = _INT32_MIN  # an exhausted lane's head: it cannot win again
+
+        head = best[0]
+        position = cutlass.Int32(0)
+        page_of_lane = cutlass.Int32(-1)
+        for rank in cutlass.range_constexpr(self.topk - 1):
+            winner = warp_max_s32(head)
+            page_of_lane = (~winner & 0xFFFF) if lane == rank else page_of_lane
+            if cutlass.const_expr(rank < self.topk - 2):
+                position = position + cutlass.Int32(cutlass.select_(head == winner, 1, 0))
+                head = sLists[lane, position, warp]
+        # a lane that won 4 of the first 14 rounds may hold a 5th key that belongs to the top 15
+        exhaustive = warp_max_s32(position) >= 4
+        if not exhaustive:
+            if lane < self.topk - 1:
+                mOut[row, lane] = page_of_lane
+            if lane == self.topk - 1:
+                mOut[row, lane] = history
+        return exhaustive
+
+    @cute.jit
+    def read_slot(self, mScores, row, lane, history, i: cutlass.Constexpr, full_slots: cutlass.Constexpr):
+        """Column ``lane + 32 i`` of the row; a slot past the history reads column ``history - 1``, a real score
+        of the row, so min and max need no masking (its key is masked)."""
+        if cutlass.const_expr(i < full_slots):
+            return mScores[row, lane + 32 * i]
+        return mScores[row, cutlass.min(lane + 32 * i, history - 1)]
 
     @cute.jit
     def select_row(self, mScores, mOut, sLists, row, lane, warp, num_valid, slots: cutlass.Constexpr):
+        """The exhaustive path: every lane sorts all its keys."""
         history = num_valid - 1
         # The first slots * 32 scores stay in registers between the two passes; longer rows (only with
         # 16 slots) read the rest twice. A slot past the history loads column history - 1, a real score
@@ -163,14 +311,8 @@ class TopkSelectKernel:
                 value = mScores[row, column]
                 low = fmin(low, value)
                 high = cute.arch.fmax(high, value)
-        for offset in cutlass.range_constexpr(5):
-            low = fmin(low, cute.arch.shuffle_sync_bfly(low, offset=1 << offset))
-            high = cute.arch.fmax(high, cute.arch.shuffle_sync_bfly(high, offset=1 << offset))
-        spread = sub_rn(high, low)
-        quotient = div_rn(QUANT_LEVELS, spread)
-        usable = (spread != 0.0) & (quotient < float("inf"))
-        scale = quotient if usable else cutlass.Float32(0.0)
-        bias = fma_rn(-low, scale, QUANT_BIAS)
+        low, high = self.warp_min_max(low, high)
+        scale, bias = self.quantisation(low, high)
 
         # the lane's keys, sorted descending (padding = INT32_MIN, below every real key)
         best = cute.make_rmem_tensor((self.cached_per_lane,), cutlass.Int32)
@@ -182,9 +324,7 @@ class TopkSelectKernel:
             else:
                 best[i] = _INT32_MIN
         for i, j in odd_even_merge_sort_network(slots):
-            larger = cutlass.max(best[i], best[j])
-            best[j] = cutlass.min(best[i], best[j])
-            best[i] = larger
+            self.compare_exchange(best, i, j)
         if cutlass.const_expr(slots == self.cached_per_lane):
             for column in cutlass.range(lane + 32 * slots, history, 32, unroll=1):
                 self.insert(best, self.key_of_level(self.level(mScores[row, column], scale, bias), self.page_bits(column)))
