@@ -223,7 +223,7 @@ def main(argv=None):
     parser.add_argument("--output", default=None, help="JSON results path")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--precision", choices=["auto", "fp8", "exact"], default="auto")
-    parser.add_argument("--tile-rows", type=int, choices=[128, 256], default=None,
+    parser.add_argument("--tile-rows", type=int, choices=[128, 192, 256], default=None,
                         help="score-kernel q-tile rows (default: the library's)")
     parser.add_argument("--topk-lane-list", choices=["4", "none"], default=None,
                         help="top-k kernel: keys per lane in its fast path, or none for the exhaustive path only "

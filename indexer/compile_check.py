@@ -78,7 +78,7 @@ def variants():
     from .kernels.signatures import score_kernel_fake_arguments, topk_kernel_fake_arguments
     from .kernels.topk_select import TopkSelectKernel
 
-    for consumer_warpgroups in (2, 4):
+    for consumer_warpgroups in (2, 3, 4):
         for num_heads in (1, 2, 4):
             q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments()
             yield (f"page_scores_sm90_h{num_heads}_rows{64 * consumer_warpgroups}",

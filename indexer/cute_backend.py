@@ -19,8 +19,8 @@ _lock = threading.Lock()
 _compiled: dict = {}
 
 SCORE_TILE_ROWS = 256
-"""Rows per q tile of the score kernel: 128 (2 consumer warpgroups with paired pages) or 256 (4 consumer
-warpgroups). The plan is built for it; chosen by measurement (docs/PERFORMANCE.md)."""
+"""Rows per q tile of the score kernel: 128 (2 consumer warpgroups with paired pages), 192 (3, paired pages;
+measured slower) or 256 (4 consumer warpgroups). The plan is built for it; chosen by measurement (docs/PERFORMANCE.md)."""
 
 TOPK_LANE_LIST_LENGTH = 4
 """Keys per lane in the top-k kernel's fast path (4), or None for the exhaustive path only; the result is the same
@@ -64,8 +64,8 @@ class PageScoreRunner:
     """Runs ``PageScoreKernelSm90`` for one ``num_heads`` and q-tile size on the current device."""
 
     def __init__(self, num_heads: int, device: torch.device, tile_rows: int, exact: bool = False):
-        if tile_rows not in (128, 256) or (exact and tile_rows != 128):
-            raise ValueError(f"the score kernel has 128- or 256-row tiles (128 when exact), the plan has {tile_rows}")
+        if tile_rows not in (128, 192, 256) or (exact and tile_rows != 128):
+            raise ValueError(f"the score kernel has 128-, 192- or 256-row tiles (128 when exact), the plan has {tile_rows}")
         self.num_heads = num_heads
         self.exact = exact
         self.consumer_warpgroups = tile_rows // 64

@@ -97,8 +97,11 @@ class PageScoreKernelSm90:
         q_stages: int = 2,
     ):
         """``consumer_warpgroups`` = 2: 128-row tiles, each warpgroup overlaps its own wgmma and
-        reduction with two accumulators (pages in pairs). 4: 256-row tiles (half the K traffic per
-        score), one accumulator per warpgroup, the four warpgroups interleave on the tensor cores.
+        reduction with two accumulators (pages in pairs). 3: 192-row tiles, pages in pairs as with 2,
+        in 160 registers per consumer thread (measured 7 % slower than 4 on the weighted cases; kept for
+        experiments, docs/PERFORMANCE.md). 4: 256-row tiles (half
+        the K traffic per score), one accumulator per warpgroup, the four warpgroups interleave on the
+        tensor cores.
 
         ``exact``: operands are the bf16 upcasts of the e4m3 values (exact: e4m3 is a subset of bf16)
         and the wgmma is ``bf16.bf16`` (k16), whose fp32 accumulation reproduces the reference
@@ -106,8 +109,8 @@ class PageScoreKernelSm90:
         """
         if num_heads not in (1, 2, 4):
             raise ValueError(f"num_heads must be 1, 2 or 4, got {num_heads}")
-        if consumer_warpgroups not in (2, 4):
-            raise ValueError(f"consumer_warpgroups must be 2 or 4, got {consumer_warpgroups}")
+        if consumer_warpgroups not in (2, 3, 4):
+            raise ValueError(f"consumer_warpgroups must be 2, 3 or 4, got {consumer_warpgroups}")
         if exact and consumer_warpgroups != 2:
             raise ValueError("the exact (bf16) variant has 128-row tiles: consumer_warpgroups must be 2")
         self.exact = exact
@@ -121,11 +124,11 @@ class PageScoreKernelSm90:
             raise ValueError(f"q_stages must be 1 or 2, got {q_stages}")
         self.num_heads = num_heads
         self.num_consumer_warpgroups = consumer_warpgroups
-        self.paired_pages = consumer_warpgroups == 2
+        self.paired_pages = consumer_warpgroups in (2, 3)
         self.tile_rows = self.rows_per_consumer_warpgroup * consumer_warpgroups
         # setmaxnreg only moves registers within the CTA's launch allocation (ptxas's count x threads:
-        # 168 x 384 and 96 x 640); asking for more than the producer frees blocks forever.
-        self.producer_registers, self.consumer_registers = (40, 232) if consumer_warpgroups == 2 else (24, 112)
+        # 168 x 384, 128 x 512 and 96 x 640); asking for more than the producer frees blocks forever.
+        self.producer_registers, self.consumer_registers = {2: (40, 232), 3: (24, 160), 4: (24, 112)}[consumer_warpgroups]
         self.k_stages = k_stages
         self.q_stages = q_stages
         self.threads_per_cta = (1 + consumer_warpgroups) * self.threads_per_warpgroup
