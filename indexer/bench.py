@@ -192,7 +192,8 @@ def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "
                   weight=case.get("representative_weight") or 0, num_heads=num_heads, slots=slots, tasks=tasks,
                   sm_busy=balance,
                   backend=wrapper.active_backend, precision=precision, tile_rows=wrapper.task_plan.shape.tile_rows,
-                  page_chunk=wrapper.task_plan.shape.page_chunk, topk_lane_list=_topk_lane_list(),
+                  page_chunk=wrapper.task_plan.shape.page_chunk, topk_lane_list=_backend_setting("TOPK_LANE_LIST_LENGTH"),
+                  issue_ring=_backend_setting("SCORE_ISSUE_RING"),
                   useful_flops=useful_flops(lengths, num_heads))
     result["scores_ms"], result["scores_cv"] = time_graphs(scores_only)
     result["run_ms"], result["run_cv"] = time_graphs(runs)
@@ -203,10 +204,10 @@ def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "
     return result
 
 
-def _topk_lane_list():
+def _backend_setting(name: str):
     from . import cute_backend
 
-    return cute_backend.TOPK_LANE_LIST_LENGTH
+    return getattr(cute_backend, name)
 
 
 def main(argv=None):
@@ -228,7 +229,13 @@ def main(argv=None):
     parser.add_argument("--topk-lane-list", choices=["4", "none"], default=None,
                         help="top-k kernel: keys per lane in its fast path, or none for the exhaustive path only "
                              "(default: the library's)")
+    parser.add_argument("--issue-ring", action="store_true",
+                        help="score kernel (256-row tiles): consumer warpgroups issue their wgmmas in turn")
     args = parser.parse_args(argv)
+    if args.issue_ring:
+        from . import cute_backend
+
+        cute_backend.SCORE_ISSUE_RING = True
     if args.topk_lane_list:
         from . import cute_backend
 

@@ -85,6 +85,11 @@ def variants():
                    PageScoreKernelSm90(num_heads, consumer_warpgroups=consumer_warpgroups),
                    (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "e4m3.e4m3")
     for num_heads in (1, 2, 4):
+        q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments()
+        yield (f"page_scores_sm90_h{num_heads}_rows256_issue_ring",
+               PageScoreKernelSm90(num_heads, consumer_warpgroups=4, issue_ring=True),
+               (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "e4m3.e4m3")
+    for num_heads in (1, 2, 4):
         q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments(exact=True)
         yield (f"page_scores_sm90_h{num_heads}_exact",
                PageScoreKernelSm90(num_heads, consumer_warpgroups=2, exact=True),

@@ -22,6 +22,10 @@ SCORE_TILE_ROWS = 256
 """Rows per q tile of the score kernel: 128 (2 consumer warpgroups with paired pages), 192 (3, paired pages;
 measured slower) or 256 (4 consumer warpgroups). The plan is built for it; chosen by measurement (docs/PERFORMANCE.md)."""
 
+SCORE_ISSUE_RING = False
+"""256-row tiles: pass a wgmma-issue token between the consumer warpgroups (``PageScoreKernelSm90(issue_ring=...)``);
+the scores are the same bit for bit. Off until measured (docs/STATUS.md)."""
+
 TOPK_LANE_LIST_LENGTH = 4
 """Keys per lane in the top-k kernel's fast path (4), or None for the exhaustive path only; the result is the same
 bit for bit, the speed differs (docs/PERFORMANCE.md)."""
@@ -69,6 +73,7 @@ class PageScoreRunner:
         self.num_heads = num_heads
         self.exact = exact
         self.consumer_warpgroups = tile_rows // 64
+        self.issue_ring = SCORE_ISSUE_RING and self.consumer_warpgroups == 4
         self.device = device
         self.num_ctas = torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -99,10 +104,12 @@ class PageScoreRunner:
     def _compiled(self, arguments, stream):
         from .kernels.score_sm90 import PageScoreKernelSm90
 
-        key = ("page_scores_sm90", self.num_heads, self.consumer_warpgroups, self.exact, self.num_ctas, dsl_version())
+        key = ("page_scores_sm90", self.num_heads, self.consumer_warpgroups, self.exact, self.issue_ring, self.num_ctas,
+               dsl_version())
         return compile_once(
             key,
-            lambda: PageScoreKernelSm90(self.num_heads, consumer_warpgroups=self.consumer_warpgroups, exact=self.exact),
+            lambda: PageScoreKernelSm90(self.num_heads, consumer_warpgroups=self.consumer_warpgroups, exact=self.exact,
+                                        issue_ring=self.issue_ring),
             (*arguments, self.num_ctas, stream),
         )
 

@@ -67,6 +67,22 @@ def test_scores_match_the_exact_reference_within_the_fp8_bound(num_heads, tile_r
 
 
 @pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
+@pytest.mark.parametrize("num_heads", [1, 4])
+def test_issue_ring_changes_the_schedule_not_the_scores(num_heads, monkeypatch):
+    """The wgmma issue token only orders the warpgroups: every score is the same bit for bit."""
+    from indexer import cute_backend
+
+    case = make_case([(700, 9000), (64, 20000), (1, 129), (300, 300), (129, 4000)], num_heads=num_heads, seed=7)
+    scores = {}
+    for ring in (False, True):
+        monkeypatch.setattr(cute_backend, "SCORE_ISSUE_RING", ring)
+        results, _, _ = run_both(case, num_heads, pitch_extra=5)
+        scores[ring] = results["cute"][1]
+    assert torch.equal(scores[False].isnan(), scores[True].isnan())
+    assert torch.equal(scores[False].nan_to_num(), scores[True].nan_to_num())
+
+
+@pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
 def test_fp8_selection_is_right_up_to_the_fp8_error_bound():
     case = make_case([(2000, 30000), (300, 12000)], num_heads=4, seed=7)
     results, _, _ = run_both(case, 4)

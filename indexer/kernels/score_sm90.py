@@ -75,6 +75,12 @@ class WarpRole(enum.IntEnum):
     FIRST_CONSUMER = 1
 
 
+class NamedBarrier(enum.IntEnum):
+    """Hardware named-barrier ids (0 is the CTA-wide ``bar.sync``)."""
+
+    ISSUE_RING = 1  # ids ISSUE_RING + w, w = consumer warpgroup: the wgmma issue token (``issue_ring``)
+
+
 class PageScoreKernelSm90:
     """Static configuration of the score kernel; ``__call__`` is the host-side (traced) launcher.
 
@@ -95,6 +101,7 @@ class PageScoreKernelSm90:
         exact: bool = False,
         k_stages: int = None,
         q_stages: int = 2,
+        issue_ring: bool = False,
     ):
         """``consumer_warpgroups`` = 2: 128-row tiles, each warpgroup overlaps its own wgmma and
         reduction with two accumulators (pages in pairs). 3: 192-row tiles, pages in pairs as with 2,
@@ -106,6 +113,11 @@ class PageScoreKernelSm90:
         ``exact``: operands are the bf16 upcasts of the e4m3 values (exact: e4m3 is a subset of bf16)
         and the wgmma is ``bf16.bf16`` (k16), whose fp32 accumulation reproduces the reference
         (measured on the H200); twice the smem per tile, so 128-row tiles and 4 K stages.
+
+        ``issue_ring`` (4 consumer warpgroups): a token passed through named barriers makes the warpgroups
+        issue their page's four wgmmas in turn (0, 1, 2, 3, 0, ...), so the tensor cores run one
+        warpgroup's page after the other and the row-max reductions, which compete for the ALU, are
+        staggered instead of coinciding (FlashAttention-3's warp-scheduler barriers). Not yet measured.
         """
         if num_heads not in (1, 2, 4):
             raise ValueError(f"num_heads must be 1, 2 or 4, got {num_heads}")
@@ -122,6 +134,9 @@ class PageScoreKernelSm90:
             raise ValueError(f"k_stages must lie in [2, 12], got {k_stages}")
         if q_stages not in (1, 2):
             raise ValueError(f"q_stages must be 1 or 2, got {q_stages}")
+        if issue_ring and consumer_warpgroups != 4:
+            raise ValueError("issue_ring orders one accumulator per warpgroup: consumer_warpgroups must be 4")
+        self.issue_ring = issue_ring
         self.num_heads = num_heads
         self.num_consumer_warpgroups = consumer_warpgroups
         self.paired_pages = consumer_warpgroups in (2, 3)
@@ -303,6 +318,11 @@ class PageScoreKernelSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         k_read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.k_stages)
         k_release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.k_stages)
+        consumer_warpgroup = cute.arch.make_warp_uniform(consumer_tidx // self.threads_per_warpgroup)
+        if cutlass.const_expr(self.issue_ring):
+            # the last warpgroup hands the first one its first token
+            if consumer_warpgroup == self.num_consumer_warpgroups - 1:
+                self._pass_issue_token(consumer_warpgroup)
         for task in cutlass.range(cta_idx, num_tasks, num_ctas, unroll=1):
             descriptor = load_task(mDescriptors, task, self.num_heads)
             page_begin, page_count = descriptor.page_begin, descriptor.page_count
@@ -338,17 +358,39 @@ class PageScoreKernelSm90:
                 # One accumulator per warpgroup: while one warpgroup reduces, the others' wgmmas run.
                 for page_offset in cutlass.range(page_count, unroll=1):
                     acc = cute.make_rmem_tensor(tScS.shape, cutlass.Float32)
-                    k_read_state = self._issue_page(tiled_mma, acc, tSrQ, tSrK, q_state, k_pipeline, k_read_state)
+                    k_read_state = self._issue_page(tiled_mma, acc, tSrQ, tSrK, q_state, k_pipeline, k_read_state,
+                                                    consumer_warpgroup)
                     warpgroup.wait_group(0)
                     k_release_state = self._release_page(k_pipeline, k_release_state)
                     self._store_page(acc, rows, mScores, page_begin + page_offset)
             q_pipeline.consumer_release(q_state)
             q_state.advance()
+        if cutlass.const_expr(self.issue_ring):
+            # every warpgroup issued as many pages; the last one's final token is still pending
+            if consumer_warpgroup == 0:
+                self._wait_issue_token(consumer_warpgroup)
+
+    def _issue_token_barrier(self, warpgroup_index):
+        return int(NamedBarrier.ISSUE_RING) + warpgroup_index
 
     @cute.jit
-    def _issue_page(self, tiled_mma, acc, tSrQ, tSrK, q_state, k_pipeline, k_read_state):
-        """Wait for the next K page and issue its four k32 wgmmas into ``acc`` (not waited on)."""
+    def _wait_issue_token(self, consumer_warpgroup):
+        cute.arch.barrier(barrier_id=self._issue_token_barrier(consumer_warpgroup),
+                          number_of_threads=2 * self.threads_per_warpgroup)
+
+    @cute.jit
+    def _pass_issue_token(self, consumer_warpgroup):
+        following = (consumer_warpgroup + 1) % self.num_consumer_warpgroups
+        cute.arch.barrier_arrive(barrier_id=self._issue_token_barrier(following),
+                                 number_of_threads=2 * self.threads_per_warpgroup)
+
+    @cute.jit
+    def _issue_page(self, tiled_mma, acc, tSrQ, tSrK, q_state, k_pipeline, k_read_state, consumer_warpgroup=None):
+        """Wait for the next K page and issue its four k32 wgmmas into ``acc`` (not waited on); with the
+        issue ring, only while holding the token, which is passed on once the four are committed."""
         k_pipeline.consumer_wait(k_read_state)
+        if cutlass.const_expr(self.issue_ring):
+            self._wait_issue_token(consumer_warpgroup)
         warpgroup.fence()
         # a fresh atom per page: setting ACCUMULATE on the loop-carried tiled MMA breaks SSA dominance
         mma_atom = cute.make_mma_atom(tiled_mma.op)
@@ -362,6 +404,8 @@ class PageScoreKernelSm90:
                 acc,
             )
         warpgroup.commit_group()
+        if cutlass.const_expr(self.issue_ring):
+            self._pass_issue_token(consumer_warpgroup)
         next_state = k_read_state.clone()
         next_state.advance()
         return next_state
