@@ -1,0 +1,148 @@
+"""How much neighbouring query tokens share their selected pages: ``python -m eval.selection_locality``.
+
+The SM90 sparse-attention kernel (``minimax_m3.sparse_attention_cute``) loads, for each query tile of one KV group,
+the union of the pages its tokens selected (8 tokens at M3's 16 query heads per group): its K/V traffic, and so its
+speed at long context, grows with that union. Selections drawn independently per token make unions of nearly
+``8 x 15`` pages; an indexer that follows the text makes neighbouring tokens pick the same pages. This reports the
+mean union per tile for the shipped trained model's indexer (``eval/models/tiny-minimax-m3-retrieval``), the same
+model with its indexer re-initialised, and uniform random selections (15 distinct history pages and the local page
+per token and group), on the pass-key documents of ``eval.retrieval_accuracy``. Only tiles whose tokens have more
+than 16 causal pages count (earlier tokens select every page).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from minimax_m3.sparse_attention_cute import page_unions
+
+from . import retrieval_accuracy as ra
+
+__all__ = ["uniform_selection", "mean_union_pages", "measure_selection_locality", "locality_table", "main"]
+
+PAGE = 128
+TOPK = 16
+VARIANTS = ("sparse", "untrained-indexer", "uniform-random")
+TILE_TOKENS = (8, 128)  # the kernel's tile at M3's 16 heads per group; a FlexAttention query block
+
+
+def uniform_selection(num_tokens: int, num_groups: int, generator: torch.Generator) -> torch.Tensor:
+    """``[T, G, 16]`` int32: per token and group, 15 distinct uniform history pages and the local page last;
+    tokens with at most 16 causal pages select them all (``-1`` padding), as the contract does."""
+    local = torch.arange(num_tokens) // PAGE
+    pages = torch.arange(max(1, int(local.max())))
+    draws = torch.rand(num_tokens, num_groups, pages.numel(), generator=generator)
+    draws = torch.where(pages < local[:, None, None], draws, 2.0)  # only pages before the token's own
+    history = draws.argsort(-1)[..., : TOPK - 1]
+    few = local < TOPK
+    every = torch.arange(TOPK - 1).expand(num_tokens, num_groups, -1)
+    history = torch.where(few[:, None, None], torch.where(every < local[:, None, None], every, -1), history)
+    return torch.cat([history, local[:, None, None].expand(-1, num_groups, 1)], -1).to(torch.int32)
+
+
+def mean_union_pages(selection: torch.Tensor, tokens_per_tile: int) -> float:
+    """Mean distinct pages per ``tokens_per_tile``-token tile of one sequence's ``[T, G, 16]`` selection, over the
+    tiles whose first token has more than 16 causal pages, and over groups."""
+    num_tokens = selection.shape[0]
+    first_tile = -(-TOPK * PAGE // tokens_per_tile)
+    if num_tokens <= first_tile * tokens_per_tile:
+        raise ValueError(f"the sequence must be longer than {first_tile * tokens_per_tile} tokens, got {num_tokens}")
+    batch_index = torch.zeros(num_tokens, dtype=torch.int32, device=selection.device)
+    _, count = page_unions(selection.to(torch.int32), batch_index, -(-num_tokens // PAGE), tokens_per_tile)
+    whole_tiles = num_tokens // tokens_per_tile
+    return float(count[first_tile:whole_tiles].float().mean())
+
+
+def _model_selections(model, input_ids: torch.Tensor) -> list:
+    with torch.no_grad():
+        output = model(input_ids, output_page_selections=True, logits_to_keep=1)
+    return [selection[0] for selection in output.page_selections]  # per sparse layer, [T, G, 16]
+
+
+def measure_selection_locality(model, tokenizer, *, lengths: Sequence[int], documents: int = 1,
+                               tiles: Sequence[int] = TILE_TOKENS, seed: int = ra.SEED) -> dict:
+    """Mean union pages per tile, per length, variant, sparse layer (the model's layer index) and tile size, averaged
+    over documents."""
+    device = next(model.parameters()).device
+    sparse_layers = [index for index, layer in enumerate(model.model.layers) if layer.self_attn.is_sparse]
+    rows = []
+    for length in lengths:
+        for document in ra.make_documents(tokenizer, length, documents, seed=seed, tasks=("passkey",)):
+            input_ids = tokenizer(document["context"], return_tensors="pt").input_ids.to(device)
+            for name in VARIANTS:
+                if name == "uniform-random":
+                    generator = torch.Generator().manual_seed(seed + document["doc_id"])
+                    groups = model.config.num_key_value_heads
+                    selections = [uniform_selection(input_ids.shape[1], groups, generator)]
+                else:
+                    with ra.variant(model, name, seed=seed):
+                        selections = _model_selections(model, input_ids)
+                for position, selection in enumerate(selections):
+                    layer = None if name == "uniform-random" else sparse_layers[position]
+                    for tile in tiles:
+                        rows.append(dict(length=length, doc_id=document["doc_id"], tokens=input_ids.shape[1],
+                                         variant=name, layer=layer,
+                                         tile_tokens=tile, mean_union_pages=mean_union_pages(selection.cpu(), tile)))
+    summary = {}
+    for row in rows:
+        key = (row["length"], row["variant"], row["layer"], row["tile_tokens"])
+        summary.setdefault(key, []).append(row["mean_union_pages"])
+    return {"rows": rows, "summary": [dict(length=k[0], variant=k[1], layer=k[2], tile_tokens=k[3],
+                                           mean_union_pages=sum(v) / len(v), documents=len(v))
+                                      for k, v in summary.items()]}
+
+
+def locality_table(result: dict) -> str:
+    lines = ["| length | variant | layer | tile tokens | mean union pages per tile | of at most |",
+             "|---|---|---|---|---|---|"]
+    for row in result["summary"]:
+        layer = "-" if row["layer"] is None else str(row["layer"])
+        lines.append(f"| {row['length']} | {row['variant']} | {layer} | {row['tile_tokens']} | "
+                     f"{row['mean_union_pages']:.1f} | {row['tile_tokens'] * TOPK} |")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="checkpoint (default: the shipped trained tiny model)")
+    parser.add_argument("--lengths", type=ra.positive_ints, default=(8192, 32768),
+                        help="comma-separated document lengths in tokens (each > 2048)")
+    parser.add_argument("--documents", type=int, default=1, help="pass-key documents per length")
+    parser.add_argument("--tiles", type=ra.positive_ints, default=TILE_TOKENS, help="tile sizes in tokens")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--output", default=None, help="JSON results path")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    args = build_parser().parse_args(argv)
+    if args.documents < 1:
+        raise SystemExit(f"--documents must be at least 1, got {args.documents}")
+    if min(args.lengths) <= TOPK * PAGE + max(args.tiles):
+        raise SystemExit(f"--lengths must exceed {TOPK * PAGE + max(args.tiles)} tokens (16 pages and a tile)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import minimax_m3  # noqa: F401  (registers the Auto classes)
+    from .trained_model import trained_model_dir
+
+    path = args.model or str(trained_model_dir())
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    result = measure_selection_locality(model, tokenizer, lengths=args.lengths, documents=args.documents,
+                                        tiles=args.tiles)
+    result["model"] = path
+    print(locality_table(result))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
