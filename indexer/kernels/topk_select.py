@@ -257,31 +257,16 @@ class TopkSelectKernel:
         if cutlass.const_expr(longest):
             for column in cutlass.range(lane + 32 * slots, history, 32, unroll=1):
                 key = self.key_of_level(self.level(mScores[row, column], scale, bias), self.page_bits(column))
-                if key > best[3]:
-                    for slot in cutlass.range_constexpr(4):
-                        held = best[slot]
-                        best[slot] = cutlass.max(held, key)
-                        key = cutlass.min(held, key)
+                self.insert(best, key, 4)
         for slot in cutlass.range_constexpr(4):
             sLists[lane, slot, warp] = best[slot]
         sLists[lane, 4, warp] = _INT32_MIN  # an exhausted lane's head: it cannot win again
 
-        head = best[0]
-        position = cutlass.Int32(0)
-        page_of_lane = cutlass.Int32(-1)
-        for rank in cutlass.range_constexpr(self.topk - 1):
-            winner = warp_max_s32(head)
-            page_of_lane = (~winner & 0xFFFF) if lane == rank else page_of_lane
-            if cutlass.const_expr(rank < self.topk - 2):
-                position = position + cutlass.Int32(cutlass.select_(head == winner, 1, 0))
-                head = sLists[lane, position, warp]
+        page_of_lane, position = self.take_top(sLists, lane, warp, best[0])
         # a lane that won 4 of the first 14 rounds may hold a 5th key that belongs to the top 15
         exhaustive = warp_max_s32(position) >= 4
         if not exhaustive:
-            if lane < self.topk - 1:
-                mOut[row, lane] = page_of_lane
-            if lane == self.topk - 1:
-                mOut[row, lane] = history
+            self.write_row(mOut, row, lane, page_of_lane, history)
         return exhaustive
 
     @cute.jit
@@ -327,13 +312,19 @@ class TopkSelectKernel:
             self.compare_exchange(best, i, j)
         if cutlass.const_expr(slots == self.cached_per_lane):
             for column in cutlass.range(lane + 32 * slots, history, 32, unroll=1):
-                self.insert(best, self.key_of_level(self.level(mScores[row, column], scale, bias), self.page_bits(column)))
+                self.insert(best, self.key_of_level(self.level(mScores[row, column], scale, bias), self.page_bits(column)),
+                            self.cached_per_lane)
         for slot in cutlass.range_constexpr(self.cached_per_lane):
             sLists[lane, slot, warp] = best[slot]
 
-        # 15 rounds: the warp's largest head wins; its lane moves on to its next key. A lane holds at
-        # most 15 winners, so its head never passes its 16th slot (INT32_MIN beyond ``slots``).
-        head = best[0]
+        # A lane holds at most 15 winners, so its head never passes its 16th slot (INT32_MIN beyond ``slots``).
+        page_of_lane, _ = self.take_top(sLists, lane, warp, best[0])
+        self.write_row(mOut, row, lane, page_of_lane, history)
+
+    @cute.jit
+    def take_top(self, sLists, lane, warp, head):
+        """15 rounds: the warp's largest head wins and its lane moves on to its next key (one shared-memory read).
+        Returns this lane's page (lane ``r`` holds the ``r``-th winner) and how many of the first 14 rounds it won."""
         position = cutlass.Int32(0)
         page_of_lane = cutlass.Int32(-1)
         for rank in cutlass.range_constexpr(self.topk - 1):
@@ -342,6 +333,11 @@ class TopkSelectKernel:
             if cutlass.const_expr(rank < self.topk - 2):
                 position = position + cutlass.Int32(cutlass.select_(head == winner, 1, 0))
                 head = sLists[lane, position, warp]
+        return page_of_lane, position
+
+    @cute.jit
+    def write_row(self, mOut, row, lane, page_of_lane, history):
+        """The 15 ranked pages, then the forced local page (``history``) in the last slot."""
         if lane < self.topk - 1:
             mOut[row, lane] = page_of_lane
         if lane == self.topk - 1:
@@ -362,10 +358,10 @@ class TopkSelectKernel:
         return (level << 16) + page_bits
 
     @cute.jit
-    def insert(self, best, key):
-        """Keep the lane's 16 largest keys, descending; most keys lose to the 16th and skip the chain."""
-        if key > best[self.cached_per_lane - 1]:
-            for slot in cutlass.range_constexpr(self.cached_per_lane):
+    def insert(self, best, key, length: cutlass.Constexpr):
+        """Keep the lane's ``length`` largest keys, descending; most keys lose to the last and skip the chain."""
+        if key > best[length - 1]:
+            for slot in cutlass.range_constexpr(length):
                 kept = best[slot]
                 best[slot] = cutlass.max(kept, key)
                 key = cutlass.min(kept, key)
