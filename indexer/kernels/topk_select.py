@@ -213,21 +213,8 @@ class TopkSelectKernel:
         """The fast path for rows of at most ``32 * slots`` history pages (more for the last path, whose
         further columns are read twice); slots below ``full_slots`` are known to lie inside the history.
         Returns whether the row needs the exhaustive path (nothing is written then)."""
-        cached = cute.make_rmem_tensor((slots,), cutlass.Float32)
-        low = cutlass.Float32(float("inf"))
-        high = cutlass.Float32(float("-inf"))
-        for i in cutlass.range_constexpr(slots):
-            cached[i] = self.read_slot(mScores, row, lane, history, i, full_slots)
-            low = fmin(low, cached[i])
-            high = cute.arch.fmax(high, cached[i])
         longest = slots == self.fast_slot_paths[-1]
-        if cutlass.const_expr(longest):
-            for column in cutlass.range(lane + 32 * slots, history, 32, unroll=1):
-                value = mScores[row, column]
-                low = fmin(low, value)
-                high = cute.arch.fmax(high, value)
-        low, high = self.warp_min_max(low, high)
-        scale, bias = self.quantisation(low, high)
+        cached, scale, bias = self.first_pass(mScores, row, lane, history, slots, full_slots, longest)
 
         # the lane's 4 largest keys, descending: sort each group of four, merge it into the list
         # (the elementwise max against the reversed group leaves the top four as a bitonic sequence)
@@ -270,6 +257,28 @@ class TopkSelectKernel:
         return exhaustive
 
     @cute.jit
+    def first_pass(self, mScores, row, lane, history, slots: cutlass.Constexpr, full_slots: cutlass.Constexpr,
+                   read_rest: cutlass.Constexpr):
+        """The lane's first ``slots`` scores, kept in registers for the second pass, and the row's scale and bias
+        (min and max over the whole history; with ``read_rest`` the columns beyond the slots are read here and
+        again in the second pass)."""
+        cached = cute.make_rmem_tensor((slots,), cutlass.Float32)
+        low = cutlass.Float32(float("inf"))
+        high = cutlass.Float32(float("-inf"))
+        for i in cutlass.range_constexpr(slots):
+            cached[i] = self.read_slot(mScores, row, lane, history, i, full_slots)
+            low = fmin(low, cached[i])
+            high = cute.arch.fmax(high, cached[i])
+        if cutlass.const_expr(read_rest):
+            for column in cutlass.range(lane + 32 * slots, history, 32, unroll=1):
+                value = mScores[row, column]
+                low = fmin(low, value)
+                high = cute.arch.fmax(high, value)
+        low, high = self.warp_min_max(low, high)
+        scale, bias = self.quantisation(low, high)
+        return cached, scale, bias
+
+    @cute.jit
     def read_slot(self, mScores, row, lane, history, i: cutlass.Constexpr, full_slots: cutlass.Constexpr):
         """Column ``lane + 32 i`` of the row; a slot past the history reads column ``history - 1``, a real score
         of the row, so min and max need no masking (its key is masked)."""
@@ -281,23 +290,7 @@ class TopkSelectKernel:
     def select_row(self, mScores, mOut, sLists, row, lane, warp, num_valid, slots: cutlass.Constexpr):
         """The exhaustive path: every lane sorts all its keys."""
         history = num_valid - 1
-        # The first slots * 32 scores stay in registers between the two passes; longer rows (only with
-        # 16 slots) read the rest twice. A slot past the history loads column history - 1, a real score
-        # of the row, so min and max need no masking; its key is masked below.
-        cached = cute.make_rmem_tensor((slots,), cutlass.Float32)
-        low = cutlass.Float32(float("inf"))
-        high = cutlass.Float32(float("-inf"))
-        for i in cutlass.range_constexpr(slots):
-            cached[i] = mScores[row, cutlass.min(lane + 32 * i, history - 1)]
-            low = fmin(low, cached[i])
-            high = cute.arch.fmax(high, cached[i])
-        if cutlass.const_expr(slots == self.cached_per_lane):
-            for column in cutlass.range(lane + 32 * slots, history, 32, unroll=1):
-                value = mScores[row, column]
-                low = fmin(low, value)
-                high = cute.arch.fmax(high, value)
-        low, high = self.warp_min_max(low, high)
-        scale, bias = self.quantisation(low, high)
+        cached, scale, bias = self.first_pass(mScores, row, lane, history, slots, 0, slots == self.cached_per_lane)
 
         # the lane's keys, sorted descending (padding = INT32_MIN, below every real key)
         best = cute.make_rmem_tensor((self.cached_per_lane,), cutlass.Int32)
