@@ -10,7 +10,6 @@ from . import backends, ops
 from .contract import (
     BACKENDS,
     DEFAULT_TOPK,
-    FP8_DTYPE,
     KERNEL_NUM_HEADS,
     PAGE_SIZE,
     PRECISIONS,
@@ -19,7 +18,7 @@ from .contract import (
 from .planner import DEFAULT_NUM_SMS, TaskPlan, build_task_plan, describe_plan_errors, plan_shape
 from .topk import topk_select
 from .torch_backend import HostMetadata, compute_page_scores, read_host_metadata
-from .validation import check_alignment, check_host_int, check_same_device, check_tensor, check_unit_stride_1d
+from .validation import check_alignment, check_host_int, check_tensor, check_unit_stride_1d
 
 __all__ = ["BatchPrefillIndexerQ8KV8Wrapper", "PlanRequiredError"]
 

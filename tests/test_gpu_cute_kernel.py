@@ -109,7 +109,6 @@ def test_fp8_selection_is_right_up_to_the_fp8_error_bound():
 @pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
 def test_gpu_topk_matches_the_torch_topk_bitwise():
     generator = torch.Generator().manual_seed(11)
-    rows = []
     # random rows of many magnitudes, ties, all-equal rows, few-ulp ranges at large magnitude (clamp to 0)
     scores = torch.randn(3000, 9000, generator=generator) * torch.logspace(-30, 30, 3000)[:, None]
     scores[:100] = torch.randint(-2, 3, (100, 9000), generator=generator).float()
