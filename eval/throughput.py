@@ -14,6 +14,11 @@ out-of-memory error is reported as OOM. Then the sparse-layer-only comparison: o
 (indexer + top-k + sparse attention) against the same layer in dense mode (``minimax_m3.bench_prefill``'s
 ``--attention-only``), on a two-layer model of the same attention geometry.
 
+Selections (``--selection``, presets): ``model`` (default) attends over the random-weight model's own selections,
+nearly independent per token; ``clustered`` keeps the indexer running but attends over pages drawn with a trained
+indexer's locality (``minimax_m3.bench_prefill.clustered_selection``; measured in ``python -m
+eval.selection_locality``), so both ends of the selection locality can be reported.
+
 Models: ``--preset m3-geometry`` (default on CUDA): MiniMax-M3's attention geometry (hidden 6144, 64/4 heads of
 128, index heads 4 x 128, pages of 128, top-16) with 1 dense layer + ``--sparse-layers`` sparse layers with a tiny
 MoE and random bf16 weights; ``--preset tiny``: the same layer mix in a tiny geometry (default without CUDA, with
@@ -27,6 +32,7 @@ tokens/s against length next to it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import time
@@ -47,6 +53,7 @@ __all__ = ["Workload", "ModelSpec", "GPU_DEFAULTS", "CPU_DEFAULTS", "run_through
 logger = logging.getLogger(__name__)
 
 PRESETS = ("m3-geometry", "tiny", "embedded")
+SELECTIONS = ("model", "clustered")
 GPU_DEFAULTS = {"lengths": "8192,32768,131072", "chunked_context": 131072, "chunk_size": 2048}
 CPU_DEFAULTS = {"lengths": "256,512", "chunked_context": 512, "chunk_size": 64}
 FIRST_REGULAR_TOKEN = 3  # prompts avoid the pad/bos/eos ids of the presets and the embedded tokenizer
@@ -275,15 +282,26 @@ def sparse_layer_comparison(config, lengths: Sequence[int], spec: ModelSpec, rep
 # ------------------------------------------------------------------ the run
 def run_throughput(spec: ModelSpec, *, modes: Sequence[str], workloads: Sequence[Workload], seeds: Sequence[int],
                    warmup: int = 1, attention_lengths: Sequence[int] = (), attention_selection: str = "model",
-                   attention_repeats: int = 3) -> dict:
-    """Everything ``python -m eval.throughput`` reports, as a JSON-ready dict."""
+                   attention_repeats: int = 3, selection: str = "model") -> dict:
+    """Everything ``python -m eval.throughput`` reports, as a JSON-ready dict.
+
+    ``selection="clustered"`` (presets): the sparse modes' indexer runs as usual, but their attention reads
+    ``minimax_m3.bench_prefill.clustered_selection``'s pages, with the locality of a trained indexer
+    (``python -m eval.selection_locality``), instead of a random-weight model's nearly independent ones."""
     from tqdm.auto import tqdm
+
+    from minimax_m3.bench_prefill import clustered_selections
 
     unknown = [m for m in modes if m not in ALL_MODES]
     if unknown or not modes:
         raise ValueError(f"modes must be among {ALL_MODES}, got {list(modes)}")
     if not seeds:
         raise ValueError("seeds must not be empty")
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
+    if selection == "clustered" and spec.path is not None:
+        raise ValueError("selection='clustered' replaces a random-weight preset's selections; a checkpoint's indexer "
+                         "selects its own pages")
     started = time.perf_counter()
     results = []
     ours = [m for m in modes if m != NATIVE_MODE]
@@ -294,12 +312,17 @@ def run_throughput(spec: ModelSpec, *, modes: Sequence[str], workloads: Sequence
         vocab_size = config.vocab_size
         input_device = model.get_input_embeddings().weight.device
         devices = model_devices(model)
+        longest = max(workload.length for workload in workloads)
         for mode in ours:
             set_attention_mode(model, mode)
-            for workload in workloads:
-                progress.set_description(f"{mode}, {workload.label}, {workload.length} x {workload.batch_size}")
-                results.append(measure(model, mode, workload, seeds, warmup, vocab_size, input_device, devices))
-                progress.update(1)
+            sparse = MODE_SETTINGS[mode]["attention_mode"] == "sparse"
+            locality = (clustered_selections(model.model.page_selector, config, longest, input_device)
+                        if sparse and selection == "clustered" else contextlib.nullcontext())
+            with locality:
+                for workload in workloads:
+                    progress.set_description(f"{mode}, {workload.label}, {workload.length} x {workload.batch_size}")
+                    results.append(measure(model, mode, workload, seeds, warmup, vocab_size, input_device, devices))
+                    progress.update(1)
         model = None
         release_memory()
         if NATIVE_MODE in modes:
@@ -317,6 +340,7 @@ def run_throughput(spec: ModelSpec, *, modes: Sequence[str], workloads: Sequence
         "modes": list(modes),
         "seeds": list(seeds),
         "warmup": warmup,
+        "selection": selection,
         "results": results,
         "sparse_layer": sparse_layer,
         "sparse_layer_selection": attention_selection,
@@ -415,8 +439,10 @@ def sparse_layer_table(rows: Sequence[dict]) -> str:
 
 def print_throughput_report(result: dict, stream=None) -> None:
     stream = stream or sys.stdout  # looked up per call: pytest's capsys replaces it
+    selection = "" if result.get("selection", "model") == "model" else f", sparse modes attend over {result['selection']} selections"
     print(f"\nPrefill throughput: {result['model']}, {result['dtype']} on {result['device']}, seeds "
-          f"{','.join(map(str, result['seeds']))} (median [min–max]); logits of the last position only", file=stream)
+          f"{','.join(map(str, result['seeds']))} (median [min–max]); logits of the last position only{selection}",
+          file=stream)
     print(throughput_table(result["results"]), file=stream)
     reasons = sorted({(r["mode"], r["status"], r["reason"]) for r in result["results"] if r.get("reason")})
     for mode, status, reason in reasons:
@@ -464,8 +490,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the sparse layers' attention function (config.sparse_attention_implementation)")
     parser.add_argument("--attention-lengths", default=None,
                         help="lengths of the sparse-layer-only comparison (default: --lengths; empty: skip it)")
-    parser.add_argument("--attention-selection", default="model", choices=["model", "clustered"],
-                        help="attend over the indexer's selections or clustered ones (bench_prefill.bench_attention)")
+    parser.add_argument("--selection", default="model", choices=list(SELECTIONS),
+                        help="presets: the sparse modes attend over the indexer's selections (model) or over clustered "
+                             "ones with a trained indexer's locality (the indexer still runs)")
+    parser.add_argument("--attention-selection", default=None, choices=list(SELECTIONS),
+                        help="the sparse-layer comparison's selections (default: --selection)")
     parser.add_argument("--attention-repeats", type=int, default=3, help="timed runs per sparse-layer measurement (median)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                         help="auto: bfloat16 on CUDA (float32 for the embedded model), float32 on CPU")
@@ -499,6 +528,9 @@ def resolve_arguments(args) -> dict:
     device_map = args.device_map
     if args.model and device_map is None and on_gpu:
         device_map = "auto"
+    if args.selection == "clustered" and args.model:
+        raise SystemExit("--selection clustered replaces a random-weight preset's selections; a checkpoint's indexer "
+                         "selects its own pages")
     spec = ModelSpec(preset=preset, path=args.model, dtype=dtype, device=device, device_map=device_map,
                      sparse_layers=args.sparse_layers, sparse_attention=args.sparse_attention)
 
@@ -524,8 +556,9 @@ def resolve_arguments(args) -> dict:
     if args.warmup < 0:
         raise SystemExit(f"--warmup must not be negative, got {args.warmup}")
     return dict(spec=spec, modes=modes, workloads=workloads, seeds=seeds, warmup=args.warmup,
-                attention_lengths=[n for n in attention_lengths if n > 0], attention_selection=args.attention_selection,
-                attention_repeats=args.attention_repeats)
+                attention_lengths=[n for n in attention_lengths if n > 0],
+                attention_selection=args.attention_selection or args.selection,
+                attention_repeats=args.attention_repeats, selection=args.selection)
 
 
 def write_outputs(result: dict, output: Optional[str], plot: bool) -> dict:

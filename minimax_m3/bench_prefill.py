@@ -12,6 +12,7 @@ same layer in dense mode, the issue's 128K comparison. Prints a table; ``--outpu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -147,6 +148,29 @@ def clustered_selection(length: int, num_groups: int, topk: int, page_size: int,
     return selection.to(torch.int32).contiguous()
 
 
+@contextlib.contextmanager
+def clustered_selections(selector, config, max_length: int, device, generator=None):
+    """For the block, ``selector.select`` still runs the indexer (so it is timed) but returns, for every token, the
+    row of ``clustered_selection(max_length, ...)`` at the token's position: a trained model's locality on a
+    random-weight model. Every sequence of a batch and every chunk of a chunked prefill reads the same table."""
+    table = clustered_selection(max_length, config.num_key_value_heads, config.index_topk_blocks,
+                                config.index_block_size, device, generator)
+    real_select = selector.select
+
+    def select(layer_cache_pages, block_table, index_q, metadata):
+        real_select(layer_cache_pages, block_table, index_q, metadata)
+        if int(metadata.positions.max()) >= max_length:
+            raise ValueError(f"clustered selections were drawn for {max_length} positions, a token is at "
+                             f"{int(metadata.positions.max())}")
+        return table[metadata.positions.to(table.device).long()]
+
+    selector.select = select
+    try:
+        yield selector
+    finally:
+        selector.select = real_select
+
+
 class _ComponentTimer:
     """Wraps callables so each call is bracketed by CUDA events; ``milliseconds()`` sums one pass's calls."""
 
@@ -183,51 +207,15 @@ def bench_attention(config, length, device, dtype, repeats, selection: str = "mo
     ``clustered_selection`` instead of its output: a random-weight model selects nearly independent pages per
     token, while a trained model's neighbouring tokens share most pages, which is what block-sparse attention
     exploits."""
-    from . import modeling_minimax_m3
-    from .cache import MiniMaxM3Cache
-
     results, cores = {}, {}
     for mode in ("sparse", "dense"):
         model = build(mode, config, device, dtype)
-        selector = model.model.page_selector
-        timer = _ComponentTimer()
-        real_select = selector.select
-        fixed = None
-        if mode == "sparse" and selection == "clustered":
-            fixed = clustered_selection(length, config.num_key_value_heads, config.index_topk_blocks,
-                                        config.index_block_size, device)
-
-        def select(*args, **kwargs):
-            chosen = real_select(*args, **kwargs)
-            return chosen if fixed is None else fixed
-
-        selector.select = timer.wrap(select) if device.type == "cuda" else select
-        layer = model.model.layers[1]
-        hidden = torch.randn(1, length, config.hidden_size, device=device, dtype=dtype)
-
-        def attention():
-            with torch.no_grad():
-                cache = MiniMaxM3Cache(model.config, 1)
-                real = torch.ones(1, length, dtype=torch.bool, device=device)
-                cache.reserve([length])
-                metadata = model.model._metadata(real, cache.lengths, [length])
-                cos, sin = model.model.rotary_emb(metadata.positions)
-                layer.self_attn(layer.input_layernorm(hidden[0]), cos, sin, cache, metadata, model.model.page_selector)
-
-        originals = (modeling_minimax_m3.dense_attention, modeling_minimax_m3.get_sparse_attention_function)
-        if device.type == "cuda":
-            modeling_minimax_m3.dense_attention = timer.wrap(originals[0])
-            modeling_minimax_m3.get_sparse_attention_function = lambda *a, **k: timer.wrap(originals[1](*a, **k))
-        try:
-            results[mode], _ = measure(attention, device, repeats)
-            if device.type == "cuda":
-                timer.pairs.clear()
-                attention()
-                cores[mode] = timer.milliseconds() / 1e3
-        except torch.OutOfMemoryError:
-            results[mode] = float("nan")
-        finally:
-            modeling_minimax_m3.dense_attention, modeling_minimax_m3.get_sparse_attention_function = originals
+        locality = (clustered_selections(model.model.page_selector, config, length, device)
+                    if mode == "sparse" and selection == "clustered" else contextlib.nullcontext())
+        with locality:
+            results[mode], core = _time_attention_layer(model, length, device, dtype, repeats)
+        if core is not None:
+            cores[mode] = core
         model = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -237,6 +225,49 @@ def bench_attention(config, length, device, dtype, repeats, selection: str = "mo
         result.update(sparse_core_seconds=cores.get("sparse", float("nan")), dense_core_seconds=cores.get("dense", float("nan")),
                       core_speedup=cores.get("dense", float("nan")) / cores.get("sparse", float("nan")))
     return result
+
+
+def _time_attention_layer(model, length, device, dtype, repeats):
+    """Seconds of layer 1's attention block (median of ``repeats``; NaN when out of memory) and, on CUDA, of its
+    core (page selection + attention function, one pass), else None."""
+    from . import modeling_minimax_m3
+    from .cache import MiniMaxM3Cache
+
+    config = model.config
+    selector = model.model.page_selector
+    timer = _ComponentTimer()
+    select = selector.select
+    if device.type == "cuda":
+        selector.select = timer.wrap(select)
+    layer = model.model.layers[1]
+    hidden = torch.randn(1, length, config.hidden_size, device=device, dtype=dtype)
+
+    def attention():
+        with torch.no_grad():
+            cache = MiniMaxM3Cache(config, 1)
+            real = torch.ones(1, length, dtype=torch.bool, device=device)
+            cache.reserve([length])
+            metadata = model.model._metadata(real, cache.lengths, [length])
+            cos, sin = model.model.rotary_emb(metadata.positions)
+            layer.self_attn(layer.input_layernorm(hidden[0]), cos, sin, cache, metadata, selector)
+
+    originals = (modeling_minimax_m3.dense_attention, modeling_minimax_m3.get_sparse_attention_function)
+    if device.type == "cuda":
+        modeling_minimax_m3.dense_attention = timer.wrap(originals[0])
+        modeling_minimax_m3.get_sparse_attention_function = lambda *a, **k: timer.wrap(originals[1](*a, **k))
+    core = None
+    try:
+        seconds, _ = measure(attention, device, repeats)
+        if device.type == "cuda":
+            timer.pairs.clear()
+            attention()
+            core = timer.milliseconds() / 1e3
+    except torch.OutOfMemoryError:
+        seconds = float("nan")
+    finally:
+        modeling_minimax_m3.dense_attention, modeling_minimax_m3.get_sparse_attention_function = originals
+        selector.select = select
+    return seconds, core
 
 
 def main(argv=None):

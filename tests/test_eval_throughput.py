@@ -111,6 +111,20 @@ def test_bad_arguments_are_named():
         throughput.resolve_arguments(parser.parse_args(["--modes", "sparse,linear"]))
     with pytest.raises(SystemExit, match="--chunk-size"):
         throughput.resolve_arguments(parser.parse_args(["--chunked-context", "64", "--chunk-size", "128"]))
+    with pytest.raises(SystemExit, match="checkpoint's indexer"):
+        throughput.resolve_arguments(parser.parse_args(["--model", "x", "--selection", "clustered"]))
+
+
+def test_clustered_selection_runs_the_sparse_modes_over_clustered_pages(isolated, capsys):
+    output = isolated / "clustered.json"
+    result = throughput.run_command(["--preset", "tiny", "--modes", "sparse,dense", "--lengths", "160",
+                                     "--chunked-context", "160", "--chunk-size", "64", "--seeds", "0",
+                                     "--attention-lengths", "96", "--attention-repeats", "1", "--selection", "clustered",
+                                     "--no-plot", "--output", str(output)])
+    saved = json.loads(output.read_text())
+    assert saved["selection"] == "clustered" and saved["sparse_layer_selection"] == "clustered"
+    assert [r["status"] for r in saved["results"]] == ["ok"] * 4 and result["selection"] == "clustered"
+    assert "sparse modes attend over clustered selections" in capsys.readouterr().out
 
 
 def test_a_checkpoint_directory_runs_through_model(isolated):

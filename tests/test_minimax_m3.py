@@ -481,3 +481,29 @@ def test_attention_benchmark_smoke_run(capsys):
 
     bench_prefill.main(["--attention-only", "--lengths", "64", "--repeats", "1", "--selection", "clustered"])
     assert "| 64 | clustered |" in capsys.readouterr().out
+
+
+def test_clustered_selections_replace_the_indexers_pages_but_still_run_it():
+    from minimax_m3.bench_prefill import build, clustered_selection, clustered_selections, geometry_config
+
+    config = geometry_config(2, tiny=True)  # pages of 16 tokens, top-4: 200 tokens are 13 pages
+    model = build("sparse", config, torch.device("cpu"), torch.float32)
+    selector = model.model.page_selector
+    calls = []
+    real_select = selector.select
+    selector.select = lambda *args: calls.append(1) or real_select(*args)
+    ids = torch.randint(3, 1000, (1, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        own = model(ids, output_page_selections=True).page_selections
+        with clustered_selections(selector, config, 200, "cpu", torch.Generator().manual_seed(1)):
+            chunks = [model(ids[:, :120], use_cache=True, output_page_selections=True)]
+            chunks.append(model(ids[:, 120:], past_key_values=chunks[0].past_key_values, use_cache=True,
+                                output_page_selections=True))
+        after = model(ids, output_page_selections=True).page_selections
+    table = clustered_selection(200, config.num_key_value_heads, config.index_topk_blocks, config.index_block_size,
+                                "cpu", torch.Generator().manual_seed(1))
+    for layer in range(2):
+        got = torch.cat([chunk.page_selections[layer][0] for chunk in chunks])
+        assert torch.equal(got, table)
+        assert not torch.equal(own[layer][0], table) and torch.equal(after[layer][0], own[layer][0])
+    assert len(calls) == 2 * 4  # the indexer ran in both sparse layers of all four forwards
