@@ -507,3 +507,13 @@ def test_clustered_selections_replace_the_indexers_pages_but_still_run_it():
         assert torch.equal(got, table)
         assert not torch.equal(own[layer][0], table) and torch.equal(after[layer][0], own[layer][0])
     assert len(calls) == 2 * 4  # the indexer ran in both sparse layers of all four forwards
+
+
+def test_clustered_selections_refuse_positions_beyond_their_table():
+    from minimax_m3.bench_prefill import build, clustered_selections, geometry_config
+
+    config = geometry_config(1, tiny=True)
+    model = build("sparse", config, torch.device("cpu"), torch.float32)
+    with clustered_selections(model.model.page_selector, config, 100, "cpu"), torch.no_grad():
+        with pytest.raises(ValueError, match="drawn for 100 positions, a sequence reaches 120"):
+            model(torch.randint(3, 1000, (1, 120)))
