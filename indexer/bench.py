@@ -167,7 +167,7 @@ def custom_case(q_len: int, kv_len: int) -> dict:
             "representative_weight": 0}
 
 
-def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "auto"):
+def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "auto", host_lengths: bool = False):
     lengths = sequence_lengths(case)
     unique_bytes = sum((kv - 1) // PAGE_SIZE * PAGE_SIZE * HEAD_DIM for _, kv in lengths) + case["total_q"] * 17 * 4
     slots = min(8, 2 * L2_BYTES // max(1, unique_bytes) + 2)
@@ -178,7 +178,7 @@ def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "
     for _ in range(slots):
         q, k, cu, seq_lens, block_table = make_inputs(lengths, num_heads, device, generator)
         wrapper = BatchPrefillIndexerQ8KV8Wrapper(num_heads, precision=precision)
-        wrapper.plan(cu, seq_lens, block_table, **bounds)
+        wrapper.plan(cu, seq_lens, block_table, **bounds, request_lengths=lengths if host_lengths else None)
         tasks = int(wrapper.task_plan.num_tasks[0])
         balance = schedule_balance(wrapper.task_plan, wrapper.task_plan.shape.num_sms)
         runs.append(lambda w=wrapper, q=q, k=k: w.run(q, k))
@@ -192,7 +192,8 @@ def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "
                   weight=case.get("representative_weight") or 0, num_heads=num_heads, slots=slots, tasks=tasks,
                   sm_busy=balance,
                   backend=wrapper.active_backend, precision=precision, tile_rows=wrapper.task_plan.shape.tile_rows,
-                  page_chunk=wrapper.task_plan.shape.page_chunk, topk_lane_list=_backend_setting("TOPK_LANE_LIST_LENGTH"),
+                  page_chunk=wrapper.task_plan.shape.page_chunk, host_lengths=host_lengths,
+                  topk_lane_list=_backend_setting("TOPK_LANE_LIST_LENGTH"),
                   issue_ring=_backend_setting("SCORE_ISSUE_RING"),
                   useful_flops=useful_flops(lengths, num_heads))
     result["scores_ms"], result["scores_cv"] = time_graphs(scores_only)
@@ -229,6 +230,9 @@ def main(argv=None):
     parser.add_argument("--topk-lane-list", choices=["4", "none"], default=None,
                         help="top-k kernel: keys per lane in its fast path, or none for the exhaustive path only "
                              "(default: the library's)")
+    parser.add_argument("--host-lengths", action="store_true",
+                        help="plan() gets each request's (query, context) lengths as host ints, as a server has them "
+                             "(the page-chunk model then balances the actual batch)")
     parser.add_argument("--issue-ring", action="store_true",
                         help="score kernel (256-row tiles): consumer warpgroups issue their wgmmas in turn")
     args = parser.parse_args(argv)
@@ -259,7 +263,7 @@ def main(argv=None):
     for num_heads in (int(h) for h in args.heads.split(",")):
         for index, case in enumerate(cases):
             result = bench_case(case, num_heads, device, args.seed + index, baseline=not args.no_baseline,
-                                precision=args.precision)
+                                precision=args.precision, host_lengths=args.host_lengths)
             results.append(result)
             print(json.dumps(result), flush=True)
     if args.output:

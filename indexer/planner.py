@@ -12,7 +12,7 @@ import enum
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -138,10 +138,15 @@ def plan_shape(
     tile_rows: Optional[int] = None,
     num_sms: int = DEFAULT_NUM_SMS,
     chunk_policy: Optional[str] = None,
+    request_lengths: Optional[Sequence[Tuple[int, int]]] = None,
 ) -> PlanShape:
     """Capacities of the plan. Python ints throughout, so nothing overflows; limits raise ValueError.
 
     ``tile_rows`` defaults to the largest multiple of ``num_heads`` not above ``DEFAULT_TILE_ROWS``.
+    ``request_lengths``: ``(query tokens, context tokens)`` per request as host ints, when the caller has them;
+    the ``balanced`` chunk model then uses them instead of modelling every request at ``max_seqlen_q`` tokens
+    after ``max_seqlen_k`` of context. Only the page chunk depends on them (capacities come from the bounds), so
+    the plan is correct whatever they say.
     """
     if tile_rows is None:
         tile_rows = max(1, DEFAULT_TILE_ROWS // num_heads) * num_heads
@@ -168,12 +173,14 @@ def plan_shape(
     page_chunk = min(MAX_PAGE_CHUNK, max(MIN_PAGE_CHUNK, max_history_pages // chunks_per_tile_target))
     fill_sms_tasks = q_tile_capacity * -(-max_history_pages // page_chunk)
     if policy == "balanced" and fill_sms_tasks < _BALANCED_MODEL_MAX_WAVES * num_sms:
-        # the model depends on whole pages, so the context rounded up to a page keeps the memo valid
-        # for a page's worth of decode steps
-        modelled_seqlen_k = -(-max_seqlen_k // page_size) * page_size
-        page_chunk = _balanced_page_chunk(
-            total_q, max_seqlen_q, modelled_seqlen_k, page_size, tile_tokens, num_heads, num_sms
-        ) or page_chunk
+        if request_lengths is None:
+            requests = modelled_requests(total_q, max_seqlen_q, max_seqlen_k)
+        else:
+            requests = tuple((int(q_len), int(kv_len)) for q_len, kv_len in request_lengths)
+        # the model depends on whole pages, so contexts rounded up to a page keep the memo valid for a page's
+        # worth of decode steps
+        requests = tuple((q_len, -(-kv_len // page_size) * page_size) for q_len, kv_len in requests if q_len > 0)
+        page_chunk = _balanced_page_chunk(requests, page_size, tile_tokens, num_heads, num_sms) or page_chunk
     chunks_per_tile_capacity = -(-max_history_pages // page_chunk)
     task_capacity = q_tile_capacity * chunks_per_tile_capacity
     if task_capacity > _INT32_MAX:
@@ -197,19 +204,26 @@ def plan_shape(
     )
 
 
+def modelled_requests(total_q: int, max_seqlen_q: int, max_seqlen_k: int) -> tuple:
+    """``(query tokens, context tokens)`` per request when only the bounds are known: full requests of
+    ``max_seqlen_q`` query tokens (the last one shorter) at the end of ``max_seqlen_k`` tokens of context (exact for
+    one request)."""
+    count = -(-total_q // max_seqlen_q)
+    return tuple((q_len, max_seqlen_k) for q_len in [max_seqlen_q] * (count - 1) + [total_q - max_seqlen_q * (count - 1)])
+
+
 @functools.lru_cache(maxsize=256)
-def _balanced_page_chunk(total_q, max_seqlen_q, max_seqlen_k, page_size, tile_tokens, num_heads, num_sms) -> int:
+def _balanced_page_chunk(requests: tuple, page_size, tile_tokens, num_heads, num_sms) -> int:
     """The chunk minimising the predicted makespan of the kernel's static round robin over heavy-first tasks.
 
-    Host ints only (no device data): the batch is modelled as full requests of ``max_seqlen_q`` query tokens (the
-    last one shorter) at the end of ``max_seqlen_k`` tokens of context, exact for one request. A task of ``r`` rows
+    ``requests``: ``(query tokens, context tokens)`` per request, host ints (no device data). A task of ``r`` rows
     and ``p`` pages costs ``r * (p + overhead)``; ties go to the larger chunk (fewer tasks).
     """
-    requests = -(-total_q // max_seqlen_q)
-    lengths = [max_seqlen_q] * (requests - 1) + [total_q - max_seqlen_q * (requests - 1)]
+    if not requests:
+        return MIN_PAGE_CHUNK
     tiles_rows, tiles_history = [], []
-    for q_len in lengths:
-        prefix = max_seqlen_k - q_len
+    for q_len, kv_len in requests:
+        prefix = kv_len - q_len
         starts = torch.arange(0, q_len, tile_tokens, dtype=torch.int64)
         tokens = (q_len - starts).clamp(max=tile_tokens)
         tiles_rows.append(tokens * num_heads)

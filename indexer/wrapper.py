@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -21,6 +21,26 @@ from .torch_backend import HostMetadata, compute_page_scores, read_host_metadata
 from .validation import check_alignment, check_host_int, check_tensor, check_unit_stride_1d
 
 __all__ = ["BatchPrefillIndexerQ8KV8Wrapper", "PlanRequiredError"]
+
+
+def _checked_request_lengths(request_lengths, total_q: int, max_seqlen_q: int, max_seqlen_k: int) -> tuple:
+    """``request_lengths`` as a tuple of int pairs within the plan's bounds, or a ValueError naming the entry."""
+    if isinstance(request_lengths, torch.Tensor) and request_lengths.device.type != "cpu":
+        raise ValueError("request_lengths must be host ints (a list of pairs or a CPU tensor), not a device tensor")
+    pairs = []
+    for index, entry in enumerate(request_lengths):
+        try:
+            q_len, kv_len = (int(value) for value in entry)
+        except (TypeError, ValueError):
+            raise ValueError(f"request_lengths[{index}] must be a (query tokens, context tokens) pair of ints, "
+                             f"got {entry!r}") from None
+        if not (0 <= q_len <= min(kv_len, max_seqlen_q) and kv_len <= max_seqlen_k):
+            raise ValueError(f"request_lengths[{index}] = ({q_len}, {kv_len}) must satisfy 0 <= query <= context, "
+                             f"query <= max_seqlen_q = {max_seqlen_q} and context <= max_seqlen_k = {max_seqlen_k}")
+        pairs.append((q_len, kv_len))
+    if sum(q_len for q_len, _ in pairs) > total_q:
+        raise ValueError(f"request_lengths hold {sum(q for q, _ in pairs)} query tokens, more than total_q = {total_q}")
+    return tuple(pairs)
 
 class PlanRequiredError(RuntimeError, ValueError):
     """A run/property was used before ``plan()``: a call-order error, catchable as either base."""
@@ -89,9 +109,16 @@ class BatchPrefillIndexerQ8KV8Wrapper:
         max_seqlen_k: int,
         score_out: Optional[torch.Tensor] = None,
         validate: bool = False,
+        request_lengths: Optional[Sequence[Tuple[int, int]]] = None,
     ) -> None:
         """Validate the metadata and build the plan. Host ints are upper bounds; no device sync
-        unless ``validate=True``, which also checks page ids and finiteness in later runs."""
+        unless ``validate=True``, which also checks page ids and finiteness in later runs.
+
+        ``request_lengths``: optional ``(query tokens, context tokens)`` per request as host ints, for callers that
+        have them (as FlashInfer's ``plan()`` takes host arrays); the page-chunk model then balances the actual
+        requests instead of modelling each at the bounds. They must describe the batch of ``cu_seqlens_q`` and
+        ``seq_lens`` (checked against the bounds only: the tensors stay on the device); whatever they say, the
+        results are the same, only the schedule changes."""
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("plan() must be called outside CUDA graph capture; capture replan() and run() instead")
         check_host_int("total_q", total_q, minimum=1)
@@ -101,6 +128,8 @@ class BatchPrefillIndexerQ8KV8Wrapper:
             raise ValueError(f"max_seqlen_k ({max_seqlen_k}) must be >= max_seqlen_q ({max_seqlen_q})")
         if not isinstance(validate, bool):
             raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
+        if request_lengths is not None:
+            request_lengths = _checked_request_lengths(request_lengths, total_q, max_seqlen_q, max_seqlen_k)
 
         check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=(torch.int32,), ndim=1)
         device = cu_seqlens_q.device
@@ -110,6 +139,9 @@ class BatchPrefillIndexerQ8KV8Wrapper:
         check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), ndim=1, device=device)
         if seq_lens.shape[0] != num_requests:
             raise ValueError(f"seq_lens must have shape [{num_requests}] (B from cu_seqlens_q), got {tuple(seq_lens.shape)}")
+        if request_lengths is not None and len(request_lengths) != num_requests:
+            raise ValueError(f"request_lengths must have {num_requests} (query, context) pairs (B from cu_seqlens_q), "
+                             f"got {len(request_lengths)}")
         check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2, device=device)
         if block_table.shape[0] != num_requests:
             raise ValueError(f"block_table must have {num_requests} rows (one per request), got shape {tuple(block_table.shape)}")
@@ -143,6 +175,7 @@ class BatchPrefillIndexerQ8KV8Wrapper:
             max_seqlen_k=max_seqlen_k,
             tile_rows=tile_rows,
             num_sms=num_sms,
+            request_lengths=request_lengths,
         )
         if block_table.shape[1] < shape.max_pages:
             raise ValueError(

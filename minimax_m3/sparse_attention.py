@@ -135,6 +135,7 @@ class PageSelector:
             max_seqlen_q=max(max(metadata.query_lengths), 1),
             max_seqlen_k=max_kv,
             score_out=storage[: rows * pages].view(rows, pages),
+            request_lengths=list(zip(metadata.query_lengths, metadata.kv_lengths)),  # host ints: exact chunk model
         )
 
 

@@ -289,3 +289,35 @@ def test_balanced_model_is_memoised_per_page_and_skipped_for_many_waves():
                       max_seqlen_k=131_072, tile_rows=256)
     assert plan_shape(**many_waves).page_chunk == plan_shape(**many_waves, chunk_policy="fill_sms").page_chunk
     assert planner._balanced_page_chunk.cache_info().misses == 1
+
+
+
+def test_host_request_lengths_balance_a_short_batch_better_and_change_nothing_else():
+    """The bounds model sees two requests at the longest context; the host lengths show a short second request."""
+    from indexer.bench import schedule_balance
+    from indexer.planner import modelled_requests
+
+    lengths = [(175, 55282), (175, 21000)]
+    cu, seq_lens = metadata(lengths)
+    bounds = dict(num_requests=2, total_q=350, num_heads=1, page_size=128, max_seqlen_q=175, max_seqlen_k=55282,
+                  tile_rows=256, num_sms=132)
+    modelled = plan_shape(**bounds)
+    assert plan_shape(**bounds, request_lengths=modelled_requests(350, 175, 55282)) == modelled
+    exact = plan_shape(**bounds, request_lengths=lengths)
+    assert exact.task_capacity >= 1 and exact.max_pages == modelled.max_pages
+    balance = {name: schedule_balance(build_task_plan(cu, seq_lens, shape), 132)
+               for name, shape in (("bounds", modelled), ("host", exact))}
+    assert exact.page_chunk != modelled.page_chunk and balance["host"] > balance["bounds"] + 0.05
+
+
+def test_scores_and_selection_do_not_depend_on_the_host_request_lengths():
+    case = make_case([(300, 9000), (40, 5000), (1, 129)], num_heads=2, seed=3)
+    results = []
+    for request_lengths in (None, [(300, 9000), (40, 5000), (1, 129)], [(1, 1), (1, 1), (1, 1)]):
+        wrapper = BatchPrefillIndexerQ8KV8Wrapper(2, backend="torch")
+        wrapper.plan(*case.metadata(), **case.plan_kwargs(), request_lengths=request_lengths)
+        selection = wrapper.run(case.q, case.k_cache)
+        written = torch.arange(wrapper.scores.shape[1])[None, :] < (wrapper.num_valid_pages[:, None] - 1)
+        results.append((wrapper.scores[written].clone(), selection.clone()))
+    for scores, selection in results[1:]:
+        assert torch.equal(scores, results[0][0]) and torch.equal(selection, results[0][1])

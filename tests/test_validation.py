@@ -91,6 +91,14 @@ def _plan_call(case, **overrides):
         (lambda c: dict(block_table=c.block_table[:, :5]), ValueError, "block_table capacity is smaller"),
         (lambda c: dict(block_table=c.block_table.to("meta")), ValueError, "block_table must be on cpu"),
         (lambda c: dict(max_seqlen_k=65536 * 128 + 1), ValueError, "65536"),
+        (lambda c: dict(request_lengths=[(100, 2000)]), ValueError, "request_lengths must have 2 .* pairs"),
+        (lambda c: dict(request_lengths=[(100, 2000), (30,)]), ValueError, "request_lengths\\[1\\] must be a .* pair"),
+        (lambda c: dict(request_lengths=[(100, 2000), (30, 20)]), ValueError, "request_lengths\\[1\\] = \\(30, 20\\)"),
+        (lambda c: dict(request_lengths=[(100, 4000), (30, 900)]), ValueError, "context <= max_seqlen_k"),
+        (lambda c: dict(request_lengths=[(100, 2000), (30, 900)], total_q=120, max_seqlen_q=100), ValueError,
+         "130 query tokens, more than total_q = 120"),
+        (lambda c: dict(request_lengths=torch.tensor([[100, 2000], [30, 900]], device="meta")), ValueError,
+         "request_lengths must be host ints"),
     ],
 )
 def test_plan_rejects(case, override, error, match):
