@@ -221,14 +221,14 @@ def _balanced_page_chunk(requests: tuple, page_size, tile_tokens, num_heads, num
     """
     if not requests:
         return MIN_PAGE_CHUNK
-    tiles_rows, tiles_history = [], []
-    for q_len, kv_len in requests:
-        prefix = kv_len - q_len
-        starts = torch.arange(0, q_len, tile_tokens, dtype=torch.int64)
-        tokens = (q_len - starts).clamp(max=tile_tokens)
-        tiles_rows.append(tokens * num_heads)
-        tiles_history.append((prefix + starts + tokens - 1) // page_size)
-    rows, history = torch.cat(tiles_rows), torch.cat(tiles_history)
+    q_lens = torch.tensor([q_len for q_len, _ in requests], dtype=torch.int64)
+    kv_lens = torch.tensor([kv_len for _, kv_len in requests], dtype=torch.int64)
+    tiles = (q_lens + tile_tokens - 1) // tile_tokens
+    request = torch.repeat_interleave(torch.arange(len(requests)), tiles)
+    starts = (torch.arange(int(tiles.sum())) - torch.repeat_interleave(torch.cumsum(tiles, 0) - tiles, tiles)) * tile_tokens
+    tokens = (q_lens[request] - starts).clamp(max=tile_tokens)
+    rows = tokens * num_heads
+    history = (kv_lens[request] - q_lens[request] + starts + tokens - 1) // page_size
     if int(history.sum()) == 0:
         return MIN_PAGE_CHUNK
     best = None

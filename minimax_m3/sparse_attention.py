@@ -135,8 +135,17 @@ class PageSelector:
             max_seqlen_q=max(max(metadata.query_lengths), 1),
             max_seqlen_k=max_kv,
             score_out=storage[: rows * pages].view(rows, pages),
-            request_lengths=list(zip(metadata.query_lengths, metadata.kv_lengths)),  # host ints: exact chunk model
+            request_lengths=self._request_lengths(metadata),
         )
+
+    @staticmethod
+    def _request_lengths(metadata: ForwardMetadata):
+        """The host lengths for the indexer's chunk model where they change it: a batched prefill. One request is
+        modelled exactly from the bounds, and decode steps (one token each) keep the bounds model, whose result is
+        memoised across steps (the exact one costs milliseconds of host time per new batch shape)."""
+        if len(metadata.query_lengths) > 1 and max(metadata.query_lengths) > 1:
+            return list(zip(metadata.query_lengths, metadata.kv_lengths))
+        return None
 
 
 def dense_attention(q, keys, values, metadata: ForwardMetadata, *, scale: float) -> torch.Tensor:

@@ -517,3 +517,14 @@ def test_clustered_selections_refuse_positions_beyond_their_table():
     with clustered_selections(model.model.page_selector, config, 100, "cpu"), torch.no_grad():
         with pytest.raises(ValueError, match="drawn for 100 positions, a sequence reaches 120"):
             model(torch.randint(3, 1000, (1, 120)))
+
+
+def test_page_selector_gives_the_indexer_host_lengths_for_batched_prefills_only():
+    from minimax_m3.sparse_attention import ForwardMetadata, PageSelector
+
+    def metadata(query_lengths, kv_lengths):
+        return ForwardMetadata(torch.zeros(1), torch.zeros(1), query_lengths, kv_lengths, [0] * len(query_lengths))
+
+    assert PageSelector._request_lengths(metadata([100, 30], [2000, 900])) == [(100, 2000), (30, 900)]
+    assert PageSelector._request_lengths(metadata([100], [2000])) is None  # one request: the bounds are exact
+    assert PageSelector._request_lengths(metadata([1, 1, 1], [900, 2000, 50])) is None  # decode: memoised bounds
