@@ -528,9 +528,6 @@ def resolve_arguments(args) -> dict:
     device_map = args.device_map
     if args.model and device_map is None and on_gpu:
         device_map = "auto"
-    if args.selection == "clustered" and args.model:
-        raise SystemExit("--selection clustered replaces a random-weight preset's selections; a checkpoint's indexer "
-                         "selects its own pages")
     spec = ModelSpec(preset=preset, path=args.model, dtype=dtype, device=device, device_map=device_map,
                      sparse_layers=args.sparse_layers, sparse_attention=args.sparse_attention)
 

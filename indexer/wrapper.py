@@ -42,6 +42,7 @@ def _checked_request_lengths(request_lengths, total_q: int, max_seqlen_q: int, m
         raise ValueError(f"request_lengths hold {sum(q for q, _ in pairs)} query tokens, more than total_q = {total_q}")
     return tuple(pairs)
 
+
 class PlanRequiredError(RuntimeError, ValueError):
     """A run/property was used before ``plan()``: a call-order error, catchable as either base."""
 

@@ -111,8 +111,8 @@ def test_bad_arguments_are_named():
         throughput.resolve_arguments(parser.parse_args(["--modes", "sparse,linear"]))
     with pytest.raises(SystemExit, match="--chunk-size"):
         throughput.resolve_arguments(parser.parse_args(["--chunked-context", "64", "--chunk-size", "128"]))
-    with pytest.raises(SystemExit, match="checkpoint's indexer"):
-        throughput.resolve_arguments(parser.parse_args(["--model", "x", "--selection", "clustered"]))
+    with pytest.raises(ValueError, match="checkpoint's indexer"):  # refused before any model is loaded
+        throughput.run_command(["--model", "x", "--selection", "clustered", "--no-plot"])
 
 
 def test_clustered_selection_runs_the_sparse_modes_over_clustered_pages(isolated, capsys):
