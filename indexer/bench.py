@@ -233,13 +233,15 @@ def main(argv=None):
     parser.add_argument("--host-lengths", action="store_true",
                         help="plan() gets each request's (query, context) lengths as host ints, as a server has them "
                              "(the page-chunk model then balances the actual batch)")
-    parser.add_argument("--issue-ring", action="store_true",
-                        help="score kernel (256-row tiles): consumer warpgroups issue their wgmmas in turn")
+    parser.add_argument("--issue-ring", choices=["none", "commit", "progress"], default=None,
+                        help="score kernel (256-row tiles): consumer warpgroups issue their wgmmas in turn, passing "
+                             "the turn on once committed or once three of four k-blocks are done "
+                             "(default: the library's)")
     args = parser.parse_args(argv)
     if args.issue_ring:
         from . import cute_backend
 
-        cute_backend.SCORE_ISSUE_RING = True
+        cute_backend.SCORE_ISSUE_RING = None if args.issue_ring == "none" else args.issue_ring
     if args.topk_lane_list:
         from . import cute_backend
 

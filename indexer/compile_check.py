@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import itertools
 import os
 import pathlib
 import re
@@ -84,10 +85,10 @@ def variants():
             yield (f"page_scores_sm90_h{num_heads}_rows{64 * consumer_warpgroups}",
                    PageScoreKernelSm90(num_heads, consumer_warpgroups=consumer_warpgroups),
                    (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "e4m3.e4m3")
-    for num_heads in (1, 2, 4):
+    for num_heads, issue_ring in itertools.product((1, 2, 4), ("commit", "progress")):
         q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments()
-        yield (f"page_scores_sm90_h{num_heads}_rows256_issue_ring",
-               PageScoreKernelSm90(num_heads, consumer_warpgroups=4, issue_ring=True),
+        yield (f"page_scores_sm90_h{num_heads}_rows256_issue_ring_{issue_ring}",
+               PageScoreKernelSm90(num_heads, consumer_warpgroups=4, issue_ring=issue_ring),
                (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "e4m3.e4m3")
     for num_heads in (1, 2, 4):
         q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments(exact=True)

@@ -22,9 +22,10 @@ SCORE_TILE_ROWS = 256
 """Rows per q tile of the score kernel: 128 (2 consumer warpgroups with paired pages), 192 (3, paired pages;
 measured slower) or 256 (4 consumer warpgroups). The plan is built for it; chosen by measurement (docs/PERFORMANCE.md)."""
 
-SCORE_ISSUE_RING = False
-"""256-row tiles: pass a wgmma-issue token between the consumer warpgroups (``PageScoreKernelSm90(issue_ring=...)``);
-the scores are the same bit for bit. Off until measured (docs/STATUS.md)."""
+SCORE_ISSUE_RING = "commit"
+"""256-row tiles: pass a wgmma-issue token between the consumer warpgroups, ``"commit"`` or ``"progress"``
+(``PageScoreKernelSm90(issue_ring=...)``), or None; the scores are the same bit for bit. Chosen by measurement
+(docs/PERFORMANCE.md)."""
 
 TOPK_LANE_LIST_LENGTH = 4
 """Keys per lane in the top-k kernel's fast path (4), or None for the exhaustive path only; the result is the same
@@ -73,7 +74,7 @@ class PageScoreRunner:
         self.num_heads = num_heads
         self.exact = exact
         self.consumer_warpgroups = tile_rows // 64
-        self.issue_ring = SCORE_ISSUE_RING and self.consumer_warpgroups == 4
+        self.issue_ring = SCORE_ISSUE_RING if self.consumer_warpgroups == 4 else None
         self.device = device
         self.num_ctas = torch.cuda.get_device_properties(device).multi_processor_count
 

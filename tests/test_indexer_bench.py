@@ -37,8 +37,9 @@ def test_topk_lane_list_option_selects_the_kernel_variant(value, expected, monke
 
 
 def test_issue_ring_option_switches_the_score_kernel_schedule(monkeypatch):
-    monkeypatch.setattr(cute_backend, "SCORE_ISSUE_RING", False)
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-        bench.main(["--quick", "--issue-ring"])
-    assert cute_backend.SCORE_ISSUE_RING is True
+    for value, expected in (("progress", "progress"), ("commit", "commit"), ("none", None)):
+        monkeypatch.setattr(cute_backend, "SCORE_ISSUE_RING", "unset")
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            bench.main(["--quick", "--issue-ring", value])
+        assert cute_backend.SCORE_ISSUE_RING == expected

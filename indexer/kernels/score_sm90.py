@@ -101,7 +101,7 @@ class PageScoreKernelSm90:
         exact: bool = False,
         k_stages: int = None,
         q_stages: int = 2,
-        issue_ring: bool = False,
+        issue_ring: str = None,
     ):
         """``consumer_warpgroups`` = 2: 128-row tiles, each warpgroup overlaps its own wgmma and
         reduction with two accumulators (pages in pairs). 3: 192-row tiles, pages in pairs as with 2,
@@ -115,9 +115,13 @@ class PageScoreKernelSm90:
         (measured on the H200); twice the smem per tile, so 128-row tiles and 4 K stages.
 
         ``issue_ring`` (4 consumer warpgroups): a token passed through named barriers makes the warpgroups
-        issue their page's four wgmmas in turn (0, 1, 2, 3, 0, ...), so the tensor cores run one
-        warpgroup's page after the other and the row-max reductions, which compete for the ALU, are
-        staggered instead of coinciding (FlashAttention-3's warp-scheduler barriers). Not yet measured.
+        issue their page's four wgmmas in turn (0, 1, 2, 3, 0, ...), so that the row-max reductions, which
+        compete for the ALU, are staggered instead of coinciding (FlashAttention-3's warp-scheduler
+        barriers). ``"commit"``: the token moves on once the four wgmmas are committed (measured 1-2 %
+        faster than no ring, docs/PERFORMANCE.md: the tensor cores still run the warpgroups' pages
+        side by side). ``"progress"``: each k-block is its own commit group and the token moves on once
+        three of the four are done, so the next warpgroup's wgmmas queue behind the last one and a
+        warpgroup reduces while the other three's pages run.
         """
         if num_heads not in (1, 2, 4):
             raise ValueError(f"num_heads must be 1, 2 or 4, got {num_heads}")
@@ -134,6 +138,8 @@ class PageScoreKernelSm90:
             raise ValueError(f"k_stages must lie in [2, 12], got {k_stages}")
         if q_stages not in (1, 2):
             raise ValueError(f"q_stages must be 1 or 2, got {q_stages}")
+        if issue_ring not in (None, "commit", "progress"):
+            raise ValueError(f"issue_ring must be None, 'commit' or 'progress', got {issue_ring!r}")
         if issue_ring and consumer_warpgroups != 4:
             raise ValueError("issue_ring orders one accumulator per warpgroup: consumer_warpgroups must be 4")
         self.issue_ring = issue_ring
@@ -319,7 +325,7 @@ class PageScoreKernelSm90:
         k_read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.k_stages)
         k_release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.k_stages)
         consumer_warpgroup = cute.arch.make_warp_uniform(consumer_tidx // self.threads_per_warpgroup)
-        if cutlass.const_expr(self.issue_ring):
+        if cutlass.const_expr(self.issue_ring is not None):
             # the last warpgroup hands the first one its first token
             if consumer_warpgroup == self.num_consumer_warpgroups - 1:
                 self._pass_issue_token(consumer_warpgroup)
@@ -360,12 +366,15 @@ class PageScoreKernelSm90:
                     acc = cute.make_rmem_tensor(tScS.shape, cutlass.Float32)
                     k_read_state = self._issue_page(tiled_mma, acc, tSrQ, tSrK, q_state, k_pipeline, k_read_state,
                                                     consumer_warpgroup)
+                    if cutlass.const_expr(self.issue_ring == "progress"):
+                        warpgroup.wait_group(1)
+                        self._pass_issue_token(consumer_warpgroup)
                     warpgroup.wait_group(0)
                     k_release_state = self._release_page(k_pipeline, k_release_state)
                     self._store_page(acc, rows, mScores, page_begin + page_offset)
             q_pipeline.consumer_release(q_state)
             q_state.advance()
-        if cutlass.const_expr(self.issue_ring):
+        if cutlass.const_expr(self.issue_ring is not None):
             # every warpgroup issued as many pages; the last one's final token is still pending
             if consumer_warpgroup == 0:
                 self._wait_issue_token(consumer_warpgroup)
@@ -387,9 +396,10 @@ class PageScoreKernelSm90:
     @cute.jit
     def _issue_page(self, tiled_mma, acc, tSrQ, tSrK, q_state, k_pipeline, k_read_state, consumer_warpgroup=None):
         """Wait for the next K page and issue its four k32 wgmmas into ``acc`` (not waited on); with the
-        issue ring, only while holding the token, which is passed on once the four are committed."""
+        issue ring, only while holding the token, which ``"commit"`` passes on once the four are committed
+        (``"progress"``: the caller passes it once three k-blocks are done)."""
         k_pipeline.consumer_wait(k_read_state)
-        if cutlass.const_expr(self.issue_ring):
+        if cutlass.const_expr(self.issue_ring is not None):
             self._wait_issue_token(consumer_warpgroup)
         warpgroup.fence()
         # a fresh atom per page: setting ACCUMULATE on the loop-carried tiled MMA breaks SSA dominance
@@ -403,8 +413,11 @@ class PageScoreKernelSm90:
                 tSrK[(None, None, k_block, k_read_state.index)],
                 acc,
             )
-        warpgroup.commit_group()
-        if cutlass.const_expr(self.issue_ring):
+            if cutlass.const_expr(self.issue_ring == "progress"):
+                warpgroup.commit_group()
+        if cutlass.const_expr(self.issue_ring != "progress"):
+            warpgroup.commit_group()
+        if cutlass.const_expr(self.issue_ring == "commit"):
             self._pass_issue_token(consumer_warpgroup)
         next_state = k_read_state.clone()
         next_state.advance()
