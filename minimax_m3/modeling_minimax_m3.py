@@ -39,6 +39,8 @@ class MiniMaxM3RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fuse(x):
+            return _compiled("gemma_rms_norm", gemma_rms_norm)(x, self.weight, self.eps)
         return gemma_rms_norm(x, self.weight, self.eps)
 
 
@@ -61,22 +63,30 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 def norm_and_rope(norm: MiniMaxM3RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``apply_partial_rope(norm(x), cos, sin)``; on CUDA as one compiled (fused) kernel: the eager version makes ~10
     passes over the ``[T, 64, 128]`` queries (fp32 upcasts, ``cat``), 40 % of a 128K-token attention block."""
-    if x.device.type != "cuda" or torch.is_grad_enabled():
-        return apply_partial_rope(norm(x), cos, sin)
-    return _compiled_norm_and_rope()(x, norm.weight, norm.eps, cos, sin)
+    if _fuse(x):
+        return _compiled("norm_and_rope", _norm_and_rope_math)(x, norm.weight, norm.eps, cos, sin)
+    return apply_partial_rope(norm(x), cos, sin)
 
 
 def _norm_and_rope_math(x, weight, eps: float, cos, sin):
     return apply_partial_rope(gemma_rms_norm(x, weight, eps), cos, sin)
 
 
-_compiled = {}
+def _fuse(x: torch.Tensor) -> bool:
+    """Inference on CUDA runs the elementwise chains (fp32 norms, SwiGLU, the MoE's weighted sum) as compiled
+    kernels: eagerly each op is a pass over ``[T, hidden]`` in fp32, ~25 % of a 128K-token prefill
+    (docs/PERFORMANCE.md, session 6). The math is the same functions; training and CPU run them eagerly."""
+    return x.device.type == "cuda" and not torch.is_grad_enabled()
 
 
-def _compiled_norm_and_rope():
-    if "norm_and_rope" not in _compiled:
-        _compiled["norm_and_rope"] = torch.compile(_norm_and_rope_math, dynamic=True)
-    return _compiled["norm_and_rope"]
+_compiled_functions = {}
+
+
+def _compiled(name: str, function):
+    """``function`` compiled once per process (dynamic shapes, so new lengths do not recompile)."""
+    if name not in _compiled_functions:
+        _compiled_functions[name] = torch.compile(function, dynamic=True)
+    return _compiled_functions[name]
 
 
 class MiniMaxM3RotaryEmbedding(nn.Module):
@@ -110,8 +120,12 @@ class MiniMaxM3MLP(nn.Module):
         self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
 
     def forward(self, x):
-        c = self.config
-        return self.down_proj(swiglu_oai(self.gate_proj(x), self.up_proj(x), c.swiglu_alpha, c.swiglu_limit, c.swiglu_beta))
+        return self.down_proj(_swiglu(self.config, self.gate_proj(x), self.up_proj(x)))
+
+
+def _swiglu(config: MiniMaxM3Config, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    activation = _compiled("swiglu_oai", swiglu_oai) if _fuse(gate) else swiglu_oai
+    return activation(gate, up, config.swiglu_alpha, config.swiglu_limit, config.swiglu_beta)
 
 
 class MiniMaxM3Expert(nn.Module):
@@ -125,8 +139,13 @@ class MiniMaxM3Expert(nn.Module):
         self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
-        c = self.config
-        return self.w2(swiglu_oai(self.w1(x), self.w3(x), c.swiglu_alpha, c.swiglu_limit, c.swiglu_beta))
+        return self.w2(_swiglu(self.config, self.w1(x), self.w3(x)))
+
+
+def weighted_expert_sum(expert_outputs, expert_weights: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """``sum_e expert_weights[..., e] * expert_outputs[e] + shared`` in fp32, in the outputs' dtype (``all_experts``)."""
+    routed = sum(output.float() * expert_weights[..., index, None] for index, output in enumerate(expert_outputs))
+    return (routed + shared.float()).to(shared.dtype)
 
 
 class MiniMaxM3SparseMoeBlock(nn.Module):
@@ -154,8 +173,8 @@ class MiniMaxM3SparseMoeBlock(nn.Module):
         if self.config.moe_implementation == "all_experts":
             expert_weights = torch.zeros(*x.shape[:-1], len(self.experts), dtype=torch.float32, device=x.device)
             expert_weights.scatter_(-1, chosen, weights)
-            routed = sum(expert(x).float() * expert_weights[..., index, None] for index, expert in enumerate(self.experts))
-            return (routed + self.shared_experts(x).float()).to(x.dtype)
+            combine = _compiled("weighted_expert_sum", weighted_expert_sum) if _fuse(x) else weighted_expert_sum
+            return combine(tuple(expert(x) for expert in self.experts), expert_weights, self.shared_experts(x))
         routed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for expert_id in torch.unique(chosen).tolist():
             tokens, slot = torch.nonzero(chosen == expert_id, as_tuple=True)

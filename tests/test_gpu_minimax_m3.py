@@ -78,7 +78,7 @@ def test_two_gpus_give_the_logits_of_one(tmp_path):
 
 
 def test_compiled_norm_and_rope_matches_eager():
-    from minimax_m3.modeling_minimax_m3 import MiniMaxM3RMSNorm, apply_partial_rope, norm_and_rope
+    from minimax_m3.modeling_minimax_m3 import MiniMaxM3RMSNorm, apply_partial_rope, gemma_rms_norm, norm_and_rope
 
     norm = MiniMaxM3RMSNorm(128, 1e-6).cuda()
     with torch.no_grad():
@@ -87,10 +87,41 @@ def test_compiled_norm_and_rope_matches_eager():
         angles = torch.rand(3001, 32, device="cuda") * 100
         cos, sin = angles.cos(), angles.sin()
         fused = norm_and_rope(norm, x, cos, sin)
-        eager = apply_partial_rope(norm(x), cos, sin)
+        eager = apply_partial_rope(gemma_rms_norm(x, norm.weight, norm.eps), cos, sin)
     assert fused.dtype == eager.dtype == torch.bfloat16
     # the same math; the fused reduction may round one bf16 ulp differently
     torch.testing.assert_close(fused, eager, atol=2e-2, rtol=1e-2)
+
+
+def test_compiled_norm_swiglu_and_expert_sum_match_eager():
+    """Inference on CUDA runs the model's elementwise chains compiled; each must be the eager function's math."""
+    from minimax_m3.modeling_minimax_m3 import (
+        MiniMaxM3RMSNorm, _swiglu, gemma_rms_norm, swiglu_oai, weighted_expert_sum,
+    )
+
+    config = tiny_model().config
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(4099, 768, device="cuda", dtype=torch.bfloat16, generator=generator)
+    norm = MiniMaxM3RMSNorm(768, 1e-6).cuda()
+    with torch.no_grad():
+        norm.weight.normal_(std=0.1, generator=generator)
+        torch.testing.assert_close(norm(x), gemma_rms_norm(x, norm.weight, norm.eps), atol=2e-2, rtol=1e-2)
+        gate, up = 4 * x, 4 * x.flip(0)  # reach the clamps
+        expected = swiglu_oai(gate, up, config.swiglu_alpha, config.swiglu_limit, config.swiglu_beta)
+        # eager rounds every op to bf16, the compiled kernel computes in fp32 and rounds once
+        torch.testing.assert_close(_swiglu(config, gate, up), expected, atol=2e-2, rtol=2e-2)
+        outputs = tuple(x.roll(shift, 0) for shift in (1, 2, 3, 4))
+        weights = torch.rand(4099, 4, device="cuda", generator=generator)
+        shared = x.flip(1)
+        # one fp32 rounding of the same sum (the compiled kernel may contract a multiply-add)
+        torch.testing.assert_close(_compiled_expert_sum()(outputs, weights, shared),
+                                   weighted_expert_sum(outputs, weights, shared), atol=1e-5, rtol=8e-3)
+
+
+def _compiled_expert_sum():
+    from minimax_m3.modeling_minimax_m3 import _compiled, weighted_expert_sum
+
+    return _compiled("weighted_expert_sum", weighted_expert_sum)
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9), reason="needs SM90")
