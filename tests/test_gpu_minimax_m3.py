@@ -96,7 +96,7 @@ def test_compiled_norm_and_rope_matches_eager():
 def test_compiled_norm_swiglu_and_expert_sum_match_eager():
     """Inference on CUDA runs the model's elementwise chains compiled; each must be the eager function's math."""
     from minimax_m3.modeling_minimax_m3 import (
-        MiniMaxM3RMSNorm, _swiglu, gemma_rms_norm, swiglu_oai, weighted_expert_sum,
+        MiniMaxM3RMSNorm, _compiled, _swiglu, gemma_rms_norm, swiglu_oai, weighted_expert_sum,
     )
 
     config = tiny_model().config
@@ -114,14 +114,9 @@ def test_compiled_norm_swiglu_and_expert_sum_match_eager():
         weights = torch.rand(4099, 4, device="cuda", generator=generator)
         shared = x.flip(1)
         # one fp32 rounding of the same sum (the compiled kernel may contract a multiply-add)
-        torch.testing.assert_close(_compiled_expert_sum()(outputs, weights, shared),
+        compiled_sum = _compiled("weighted_expert_sum", weighted_expert_sum)
+        torch.testing.assert_close(compiled_sum(outputs, weights, shared),
                                    weighted_expert_sum(outputs, weights, shared), atol=1e-5, rtol=8e-3)
-
-
-def _compiled_expert_sum():
-    from minimax_m3.modeling_minimax_m3 import _compiled, weighted_expert_sum
-
-    return _compiled("weighted_expert_sum", weighted_expert_sum)
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9), reason="needs SM90")

@@ -13,7 +13,7 @@ per (row, page) for pages before the row's local page only. No atomics; the outp
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -101,7 +101,7 @@ class PageScoreKernelSm90:
         exact: bool = False,
         k_stages: int = None,
         q_stages: int = 2,
-        issue_ring: str = None,
+        issue_ring: Optional[str] = None,
     ):
         """``consumer_warpgroups`` = 2: 128-row tiles, each warpgroup overlaps its own wgmma and
         reduction with two accumulators (pages in pairs). 3: 192-row tiles, pages in pairs as with 2,
@@ -117,11 +117,10 @@ class PageScoreKernelSm90:
         ``issue_ring`` (4 consumer warpgroups): a token passed through named barriers makes the warpgroups
         issue their page's four wgmmas in turn (0, 1, 2, 3, 0, ...), so that the row-max reductions, which
         compete for the ALU, are staggered instead of coinciding (FlashAttention-3's warp-scheduler
-        barriers). ``"commit"``: the token moves on once the four wgmmas are committed (measured 1-2 %
-        faster than no ring, docs/PERFORMANCE.md: the tensor cores still run the warpgroups' pages
-        side by side). ``"progress"``: each k-block is its own commit group and the token moves on once
-        three of the four are done, so the next warpgroup's wgmmas queue behind the last one and a
-        warpgroup reduces while the other three's pages run.
+        barriers). ``"commit"`` (the library's default): the token moves on once the four wgmmas are
+        committed; measured 1.3-3 % faster than no ring at H = 4 (docs/PERFORMANCE.md, session 6).
+        ``"progress"``: each k-block is its own commit group and the token moves on once three of the four
+        are done, so the next warpgroup's wgmmas queue behind the last one; measured no faster than no ring.
         """
         if num_heads not in (1, 2, 4):
             raise ValueError(f"num_heads must be 1, 2 or 4, got {num_heads}")
