@@ -7,6 +7,7 @@ that would be needed inside CUDA-graph capture raises instead (warm up before ca
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import threading
 
@@ -32,10 +33,13 @@ TOPK_LANE_LIST_LENGTH = 4
 bit for bit, the speed differs (docs/PERFORMANCE.md)."""
 
 
+@functools.cache
 def dsl_version() -> str:
+    # cached: a metadata lookup costs ~0.15 ms, and it is part of every launch's cache key
     return importlib.metadata.version("nvidia-cutlass-dsl")
 
 
+@functools.cache
 def dsl_available() -> bool:
     try:
         import cutlass  # noqa: F401
@@ -74,9 +78,8 @@ class PageScoreRunner:
         self.num_heads = num_heads
         self.exact = exact
         self.consumer_warpgroups = tile_rows // 64
-        self.issue_ring = SCORE_ISSUE_RING if self.consumer_warpgroups == 4 else None
         self.device = device
-        self.num_ctas = torch.cuda.get_device_properties(device).multi_processor_count
+        self.num_ctas = _sm_count(device)
 
     def __call__(self, q, k_pages, scores, block_table, descriptors, num_tasks) -> None:
         # the tensors' device must be the current one (DLPack export, stream, loaded module)
@@ -105,14 +108,20 @@ class PageScoreRunner:
     def _compiled(self, arguments, stream):
         from .kernels.score_sm90 import PageScoreKernelSm90
 
-        key = ("page_scores_sm90", self.num_heads, self.consumer_warpgroups, self.exact, self.issue_ring, self.num_ctas,
+        issue_ring = SCORE_ISSUE_RING if self.consumer_warpgroups == 4 else None
+        key = ("page_scores_sm90", self.num_heads, self.consumer_warpgroups, self.exact, issue_ring, self.num_ctas,
                dsl_version())
         return compile_once(
             key,
             lambda: PageScoreKernelSm90(self.num_heads, consumer_warpgroups=self.consumer_warpgroups, exact=self.exact,
-                                        issue_ring=self.issue_ring),
+                                        issue_ring=issue_ring),
             (*arguments, self.num_ctas, stream),
         )
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def run_topk_select(scores: torch.Tensor, num_valid_pages: torch.Tensor, out: torch.Tensor) -> None:
