@@ -84,6 +84,35 @@ def test_issue_ring_changes_the_schedule_not_the_scores(num_heads, monkeypatch):
 
 
 @pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
+@pytest.mark.parametrize("num_heads", [1, 4])
+def test_page_maxima_are_exact_for_negative_zero_and_mixed_sign_pages(num_heads):
+    """Page maxima where the sign matters: pages whose scores are all negative, all zero, all positive,
+    negative but for one key (held by one lane of each quad), or of mixed signs."""
+    case = make_case([(300, 5000), (77, 1500), (1, 129)], num_heads=num_heads, seed=5)
+    q = case.q.float().abs()
+    k = case.k_cache.float().abs()
+    kind = torch.arange(k.shape[0]) % 5
+    k[kind == 0] = -k[kind == 0]  # every score of the page < 0
+    k[kind == 1] = 0.0  # every score +0
+    one_positive = kind == 2
+    k[one_positive] = -k[one_positive]
+    k[one_positive, 37] = k[one_positive, 37].abs()  # one key (one lane of each quad) >= 0
+    k[kind == 3] *= torch.where(torch.rand(k[kind == 3].shape, generator=torch.Generator().manual_seed(1)) < 0.5, -1.0, 1.0)
+    case.q, case.k_cache = q.to(case.q.dtype), k.to(case.k_cache.dtype)
+    results, _, _ = run_both(case, num_heads, pitch_extra=2)
+    (_, exact), (_, kernel) = results["torch"], results["cute"]
+    assert torch.equal(exact.isnan(), kernel.isnan())
+    cols = case.block_table.shape[1]
+    exact, kernel = exact[:, :cols], kernel[:, :cols]
+    written = ~exact.isnan()
+    assert (exact[written] < 0).any() and (exact[written] == 0).any() and (exact[written] > 0).any()
+    bound = magnitude_bound(case, num_heads, exact.device)
+    error = (kernel - exact).abs()[written]
+    assert bool((error <= FP8_RELATIVE_BOUND * bound[written] + 1e-6).all()), error.max().item()
+    assert torch.equal(kernel[written] == 0, exact[written] == 0)
+
+
+@pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
 def test_fp8_selection_is_right_up_to_the_fp8_error_bound():
     case = make_case([(2000, 30000), (300, 12000)], num_heads=4, seed=7)
     results, _, _ = run_both(case, 4)

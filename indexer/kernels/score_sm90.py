@@ -62,6 +62,7 @@ class RowTargets(NamedTuple):
     second_row: cutlass.Int32
     first_history: cutlass.Int32  # L of the first row: pages [0, L) are written
     second_history: cutlass.Int32
+    position_begin: cutlass.Int32  # absolute position of the task's first token
 
     @property
     def is_writer(self):
@@ -79,6 +80,7 @@ class NamedBarrier(enum.IntEnum):
     """Hardware named-barrier ids (0 is the CTA-wide ``bar.sync``)."""
 
     ISSUE_RING = 1  # ids ISSUE_RING + w, w = consumer warpgroup: the wgmma issue token (``issue_ring``)
+    STAGED_MAXIMA = 5  # ids STAGED_MAXIMA + w: warpgroup w's staged row maxima are written / read (``staged_stores``)
 
 
 class PageScoreKernelSm90:
@@ -90,6 +92,7 @@ class PageScoreKernelSm90:
 
     page_size = 128
     head_dim = 128
+    staged_pages = 16  # pages of row maxima a warpgroup collects in shared memory before writing them out
     threads_per_warpgroup = 128
     rows_per_consumer_warpgroup = 64  # one wgmma M
 
@@ -102,6 +105,7 @@ class PageScoreKernelSm90:
         k_stages: int = None,
         q_stages: int = 2,
         issue_ring: Optional[str] = None,
+        staged_stores: Optional[bool] = None,
     ):
         """``consumer_warpgroups`` = 2: 128-row tiles, each warpgroup overlaps its own wgmma and
         reduction with two accumulators (pages in pairs). 3: 192-row tiles, pages in pairs as with 2,
@@ -121,6 +125,12 @@ class PageScoreKernelSm90:
         committed; measured 1.3-3 % faster than no ring at H = 4 (docs/PERFORMANCE.md, session 6).
         ``"progress"``: each k-block is its own commit group and the token moves on once three of the four
         are done, so the next warpgroup's wgmmas queue behind the last one; measured no faster than no ring.
+
+        ``staged_stores`` (4 consumer warpgroups; the default there): each warpgroup collects its rows' maxima
+        of ``staged_pages`` consecutive pages in shared memory and writes them out as row segments, a few full
+        32-byte sectors per store instruction, instead of one scattered 4-byte store per row and page (each of
+        which touches 8 sectors per warp): the scattered stores cost ~16 % of the kernel's time on the heavy
+        cases (docs/PERFORMANCE.md, session 7).
         """
         if num_heads not in (1, 2, 4):
             raise ValueError(f"num_heads must be 1, 2 or 4, got {num_heads}")
@@ -142,6 +152,11 @@ class PageScoreKernelSm90:
         if issue_ring and consumer_warpgroups != 4:
             raise ValueError("issue_ring orders one accumulator per warpgroup: consumer_warpgroups must be 4")
         self.issue_ring = issue_ring
+        if staged_stores is None:
+            staged_stores = consumer_warpgroups == 4
+        if staged_stores and consumer_warpgroups != 4:
+            raise ValueError("staged_stores is built for one accumulator per warpgroup: consumer_warpgroups must be 4")
+        self.staged_stores = staged_stores
         self.num_heads = num_heads
         self.num_consumer_warpgroups = consumer_warpgroups
         self.paired_pages = consumer_warpgroups in (2, 3)
@@ -154,6 +169,18 @@ class PageScoreKernelSm90:
         self.threads_per_cta = (1 + consumer_warpgroups) * self.threads_per_warpgroup
         self.q_tile_bytes = self.tile_rows * self.head_dim * operand_bytes
         self.page_bytes = self.page_size * self.head_dim * operand_bytes
+
+    def _staged_maxima_layout(self):
+        # one (64 rows, staged_pages) block per consumer warpgroup; rows padded by one float so the writer lanes'
+        # rows fall in distinct banks
+        rows = self.rows_per_consumer_warpgroup
+        pitch = self.staged_pages + 1
+        return cute.make_layout((rows, self.staged_pages, self.num_consumer_warpgroups), stride=(pitch, 1, rows * pitch))
+
+    def _staged_maxima_floats(self) -> int:
+        if not self.staged_stores:
+            return 4  # unused
+        return self.rows_per_consumer_warpgroup * (self.staged_pages + 1) * self.num_consumer_warpgroups
 
     def _smem_layout(self, rows: int, stages: int):
         atom = warpgroup.make_smem_layout_atom(
@@ -198,6 +225,7 @@ class PageScoreKernelSm90:
             k_barriers: cute.struct.MemRange[cutlass.Int64, self.k_stages * 2]
             sQ: cute.struct.Align[cute.struct.MemRange[self.operand_dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.operand_dtype, cute.cosize(sK_layout)], 1024]
+            sMaxima: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self._staged_maxima_floats()], 16]
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -250,6 +278,9 @@ class PageScoreKernelSm90:
         pipeline.pipeline_init_arrive()
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sMaxima = None
+        if cutlass.const_expr(self.staged_stores):
+            sMaxima = storage.sMaxima.get_tensor(self._staged_maxima_layout())
         pipeline.pipeline_init_wait()
 
         num_tasks = mNumTasks[0]
@@ -260,7 +291,7 @@ class PageScoreKernelSm90:
                           q_pipeline, k_pipeline, cta_idx, num_ctas, num_tasks)
         else:
             cute.arch.warpgroup_reg_alloc(self.consumer_registers)
-            self.score(tiled_mma, sQ, sK, mScores, mDescriptors, q_pipeline, k_pipeline,
+            self.score(tiled_mma, sQ, sK, sMaxima, mScores, mDescriptors, q_pipeline, k_pipeline,
                        tidx - self.threads_per_warpgroup, cta_idx, num_ctas, num_tasks)
 
     def _ring(self, barriers, stages: int, stage_bytes: int):
@@ -311,7 +342,7 @@ class PageScoreKernelSm90:
         k_pipeline.producer_tail(k_state)
 
     @cute.jit
-    def score(self, tiled_mma, sQ, sK, mScores, mDescriptors, q_pipeline, k_pipeline,
+    def score(self, tiled_mma, sQ, sK, sMaxima, mScores, mDescriptors, q_pipeline, k_pipeline,
               consumer_tidx, cta_idx, num_ctas, num_tasks):
         thr_mma = tiled_mma.get_slice(consumer_tidx)
         tSrQ = tiled_mma.make_fragment_A(thr_mma.partition_A(sQ))
@@ -339,6 +370,7 @@ class PageScoreKernelSm90:
                 second_row,
                 (descriptor.position_begin + first_row // self.num_heads) // self.page_size,
                 (descriptor.position_begin + second_row // self.num_heads) // self.page_size,
+                descriptor.position_begin,
             )
 
             q_pipeline.consumer_wait(q_state)
@@ -370,7 +402,14 @@ class PageScoreKernelSm90:
                         self._pass_issue_token(consumer_warpgroup)
                     warpgroup.wait_group(0)
                     k_release_state = self._release_page(k_pipeline, k_release_state)
-                    self._store_page(acc, rows, mScores, page_begin + page_offset)
+                    if cutlass.const_expr(self.staged_stores):
+                        slot = page_offset % self.staged_pages
+                        self._stage_page(acc, rows, sMaxima[None, None, consumer_warpgroup], consumer_warpgroup, slot)
+                        if slot == self.staged_pages - 1 or page_offset == page_count - 1:
+                            self._write_staged_maxima(sMaxima[None, None, consumer_warpgroup], rows, mScores,
+                                                      consumer_warpgroup, page_begin + page_offset - slot, slot + 1)
+                    else:
+                        self._store_page(acc, rows, mScores, page_begin + page_offset)
             q_pipeline.consumer_release(q_state)
             q_state.advance()
         if cutlass.const_expr(self.issue_ring is not None):
@@ -435,6 +474,10 @@ class PageScoreKernelSm90:
         values_per_row = cute.size(acc) // 2
         first_max = self._quad_max(self._row_max(acc, 0, values_per_row))
         second_max = self._quad_max(self._row_max(acc, 1, values_per_row))
+        self._store_row_maxima(first_max, second_max, rows, mScores, page)
+
+    @cute.jit
+    def _store_row_maxima(self, first_max, second_max, rows, mScores, page):
         if rows.is_writer:
             if rows.first_row < rows.valid_rows:
                 if page < rows.first_history:
@@ -442,6 +485,37 @@ class PageScoreKernelSm90:
             if rows.second_row < rows.valid_rows:
                 if page < rows.second_history:
                     mScores[rows.row_begin + rows.second_row, page] = second_max
+
+    @cute.jit
+    def _stage_page(self, acc, rows, sWarpgroupMaxima, consumer_warpgroup, slot):
+        """Row maxima of one page into column ``slot`` of this warpgroup's staging block."""
+        values_per_row = cute.size(acc) // 2
+        first_max = self._quad_max(self._row_max(acc, 0, values_per_row))
+        second_max = self._quad_max(self._row_max(acc, 1, values_per_row))
+        if rows.is_writer:
+            block_row = consumer_warpgroup * self.rows_per_consumer_warpgroup
+            sWarpgroupMaxima[rows.first_row - block_row, slot] = first_max
+            sWarpgroupMaxima[rows.second_row - block_row, slot] = second_max
+
+    @cute.jit
+    def _write_staged_maxima(self, sWarpgroupMaxima, rows, mScores, consumer_warpgroup, first_page, pages):
+        """Write the staged ``pages`` columns of the warpgroup's 64 rows, consecutive lanes on consecutive
+        pages of a row (whole sectors per store), each row only below its local page."""
+        barrier_id = int(NamedBarrier.STAGED_MAXIMA) + consumer_warpgroup
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=self.threads_per_warpgroup)
+        thread = rows.tidx % self.threads_per_warpgroup
+        block_row = consumer_warpgroup * self.rows_per_consumer_warpgroup
+        rows_per_pass = self.threads_per_warpgroup // self.staged_pages
+        column = thread % self.staged_pages
+        for rows_done in cutlass.range(0, self.rows_per_consumer_warpgroup, rows_per_pass, unroll=1):
+            local_row = rows_done + thread // self.staged_pages
+            tile_row = block_row + local_row
+            history = (rows.position_begin + tile_row // self.num_heads) // self.page_size
+            page = first_page + column
+            if column < pages and tile_row < rows.valid_rows and page < history:
+                mScores[rows.row_begin + tile_row, page] = sWarpgroupMaxima[local_row, column]
+        # the next page's maxima may overwrite the block only once every thread has read it
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=self.threads_per_warpgroup)
 
     @staticmethod
     def _row_max(acc, half: int, values_per_row: int):
