@@ -1,13 +1,14 @@
 """Persistent, warp-specialised FP8 page-score kernel for SM90 (H100/H200), in CuTe DSL.
 
-One CTA = one producer warpgroup + two consumer warpgroups (64 score rows each, 128-row q tiles).
-The producer's first warp walks the plan's task list (static round-robin over CTAs, heaviest tasks
-first) and loads, by TMA, the task's Q tile into a 2-stage ring (the next task's Q lands while the
-current pages are consumed) and each history page of the task, addressed by its physical page id
-(the next block-table entry is read while the current TMA is in flight), into a multi-stage K ring.
-The consumers run ``wgmma.m64n128k32`` e4m3 x e4m3 -> f32 four times per page (K = 128), reduce
-each accumulator row to its page maximum (registers, then two quad shuffles) and store one fp32
-per (row, page) for pages before the row's local page only. No atomics; the output is deterministic.
+One CTA = one producer warpgroup + 2, 3 or 4 consumer warpgroups of 64 score rows each (128-, 192- or 256-row
+q tiles; 4 is the library's default). The producer's first warp walks the plan's task list (static round-robin
+over CTAs, heaviest tasks first) and loads, by TMA, the task's Q tile into a 2-stage ring (the next task's Q
+lands while the current pages are consumed) and each history page of the task, addressed by its physical page
+id (the next block-table entry is read while the current TMA is in flight), into a multi-stage K ring. The
+consumers run ``wgmma.m64n128k32`` e4m3 x e4m3 -> f32 four times per page (K = 128), reduce each accumulator
+row to its page maximum (registers, then two quad shuffles) and write one fp32 per (row, page) for pages before
+the row's local page only; with 4 consumer warpgroups the maxima of 16 pages are staged in shared memory and
+written as row segments. No atomics; the output is deterministic.
 """
 
 from __future__ import annotations
@@ -507,13 +508,16 @@ class PageScoreKernelSm90:
         block_row = consumer_warpgroup * self.rows_per_consumer_warpgroup
         rows_per_pass = self.threads_per_warpgroup // self.staged_pages
         column = thread % self.staged_pages
-        for rows_done in cutlass.range(0, self.rows_per_consumer_warpgroup, rows_per_pass, unroll=1):
-            local_row = rows_done + thread // self.staged_pages
-            tile_row = block_row + local_row
-            history = (rows.position_begin + tile_row // self.num_heads) // self.page_size
-            page = first_page + column
-            if column < pages and tile_row < rows.valid_rows and page < history:
-                mScores[rows.row_begin + tile_row, page] = sWarpgroupMaxima[local_row, column]
+        passes = self.rows_per_consumer_warpgroup // rows_per_pass
+        page = first_page + column
+        # loads in groups of four so their latencies overlap (all eight at once spill under DSL 4.3.5)
+        for group in cutlass.range(0, passes, 4, unroll=1):
+            staged = [sWarpgroupMaxima[(group + i) * rows_per_pass + thread // self.staged_pages, column] for i in range(4)]
+            for i in cutlass.range_constexpr(4):
+                tile_row = block_row + (group + i) * rows_per_pass + thread // self.staged_pages
+                history = (rows.position_begin + tile_row // self.num_heads) // self.page_size
+                if column < pages and tile_row < rows.valid_rows and page < history:
+                    mScores[rows.row_begin + tile_row, page] = staged[i]
         # the next page's maxima may overwrite the block only once every thread has read it
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=self.threads_per_warpgroup)
 
