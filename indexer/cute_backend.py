@@ -28,6 +28,11 @@ SCORE_ISSUE_RING = "commit"
 (``PageScoreKernelSm90(issue_ring=...)``), or None; the scores are the same bit for bit. Chosen by measurement
 (docs/PERFORMANCE.md)."""
 
+SCORE_STORE_WARP = False
+"""256-row tiles: a warp of the producer warpgroup writes the staged row maxima out instead of the consumer
+warpgroups (``PageScoreKernelSm90(store_warp=True)``); the scores are the same bit for bit. Opt-in until measured
+(docs/STATUS.md)."""
+
 TOPK_LANE_LIST_LENGTH = 4
 """Keys per lane in the top-k kernel's fast path (4), or None for the exhaustive path only; the result is the same
 bit for bit, the speed differs (docs/PERFORMANCE.md)."""
@@ -109,12 +114,13 @@ class PageScoreRunner:
         from .kernels.score_sm90 import PageScoreKernelSm90
 
         issue_ring = SCORE_ISSUE_RING if self.consumer_warpgroups == 4 else None
-        key = ("page_scores_sm90", self.num_heads, self.consumer_warpgroups, self.exact, issue_ring, self.num_ctas,
-               dsl_version())
+        store_warp = SCORE_STORE_WARP and self.consumer_warpgroups == 4
+        key = ("page_scores_sm90", self.num_heads, self.consumer_warpgroups, self.exact, issue_ring, store_warp,
+               self.num_ctas, dsl_version())
         return compile_once(
             key,
             lambda: PageScoreKernelSm90(self.num_heads, consumer_warpgroups=self.consumer_warpgroups, exact=self.exact,
-                                        issue_ring=issue_ring),
+                                        issue_ring=issue_ring, store_warp=store_warp),
             (*arguments, self.num_ctas, stream),
         )
 

@@ -73,7 +73,7 @@ class RowTargets(NamedTuple):
 class WarpRole(enum.IntEnum):
     """Warpgroup indices inside the CTA."""
 
-    PRODUCER = 0
+    PRODUCER = 0  # its warp 0 issues the TMA loads; with ``store_warp`` its warp 1 writes the staged maxima
     FIRST_CONSUMER = 1
 
 
@@ -93,7 +93,7 @@ class PageScoreKernelSm90:
 
     page_size = 128
     head_dim = 128
-    staged_pages = 16  # pages of row maxima a warpgroup collects in shared memory before writing them out
+    shared_memory_bytes = 227 * 1024  # what one CTA may have on SM90
     threads_per_warpgroup = 128
     rows_per_consumer_warpgroup = 64  # one wgmma M
 
@@ -107,6 +107,8 @@ class PageScoreKernelSm90:
         q_stages: int = 2,
         issue_ring: Optional[str] = None,
         staged_stores: Optional[bool] = None,
+        staged_pages: int = 16,
+        store_warp: bool = False,
     ):
         """``consumer_warpgroups`` = 2: 128-row tiles, each warpgroup overlaps its own wgmma and
         reduction with two accumulators (pages in pairs). 3: 192-row tiles, pages in pairs as with 2,
@@ -132,6 +134,11 @@ class PageScoreKernelSm90:
         32-byte sectors per store instruction, instead of one scattered 4-byte store per row and page (each of
         which touches 8 sectors per warp): the scattered stores cost ~16 % of the kernel's time on the heavy
         cases (docs/PERFORMANCE.md, session 7).
+
+        ``store_warp`` (with ``staged_stores``): the consumer warpgroups only fill the staging blocks, double
+        buffered, and hand them (one mbarrier pair per warpgroup and buffer) to warp 1 of the producer
+        warpgroup, which replays the task schedule and writes them out, so the write-out leaves the consumers'
+        critical path. Opt-in until measured.
         """
         if num_heads not in (1, 2, 4):
             raise ValueError(f"num_heads must be 1, 2 or 4, got {num_heads}")
@@ -143,7 +150,7 @@ class PageScoreKernelSm90:
         self.operand_dtype = cutlass.BFloat16 if exact else cutlass.Float8E4M3FN
         operand_bytes = 2 if exact else 1
         if k_stages is None:
-            k_stages = 4 if exact else 8
+            k_stages = 4 if exact else (7 if store_warp else 8)  # the store warp's second buffer takes a K stage's room
         if not 2 <= k_stages <= 12:
             raise ValueError(f"k_stages must lie in [2, 12], got {k_stages}")
         if q_stages not in (1, 2):
@@ -158,6 +165,13 @@ class PageScoreKernelSm90:
         if staged_stores and consumer_warpgroups != 4:
             raise ValueError("staged_stores is built for one accumulator per warpgroup: consumer_warpgroups must be 4")
         self.staged_stores = staged_stores
+        if staged_pages not in (8, 16):
+            raise ValueError(f"staged_pages must be 8 or 16, got {staged_pages}")
+        self.staged_pages = staged_pages
+        if store_warp and not staged_stores:
+            raise ValueError("store_warp writes the staged maxima out: it needs staged_stores")
+        self.store_warp = store_warp
+        self.maxima_buffers = 2 if store_warp else 1
         self.num_heads = num_heads
         self.num_consumer_warpgroups = consumer_warpgroups
         self.paired_pages = consumer_warpgroups in (2, 3)
@@ -165,23 +179,37 @@ class PageScoreKernelSm90:
         # setmaxnreg only moves registers within the CTA's launch allocation (ptxas's count x threads:
         # 168 x 384, 128 x 512 and 96 x 640); asking for more than the producer frees blocks forever.
         self.producer_registers, self.consumer_registers = {2: (40, 232), 3: (24, 160), 4: (24, 112)}[consumer_warpgroups]
+        if store_warp:
+            self.producer_registers = 32  # the store warp's loop; 32 x 128 + 112 x 512 = the 96 x 640 launch allocation
         self.k_stages = k_stages
         self.q_stages = q_stages
         self.threads_per_cta = (1 + consumer_warpgroups) * self.threads_per_warpgroup
         self.q_tile_bytes = self.tile_rows * self.head_dim * operand_bytes
         self.page_bytes = self.page_size * self.head_dim * operand_bytes
+        needed = self._shared_memory_bytes_needed()
+        if needed > self.shared_memory_bytes:
+            raise ValueError(f"this configuration needs {needed} bytes of shared memory per CTA, more than the "
+                             f"{self.shared_memory_bytes} an SM90 CTA may have: lower k_stages or staged_pages")
+
+    def _shared_memory_bytes_needed(self) -> int:
+        barriers = 8 * 2 * (self.q_stages + self.k_stages + self.maxima_buffers * self.num_consumer_warpgroups)
+        return (-(-barriers // 1024) * 1024 + self.q_stages * self.q_tile_bytes + self.k_stages * self.page_bytes
+                + 4 * self._staged_maxima_floats())
 
     def _staged_maxima_layout(self):
-        # one (64 rows, staged_pages) block per consumer warpgroup; rows padded by one float so the writer lanes'
-        # rows fall in distinct banks
+        # (64 rows, staged_pages, buffer, consumer warpgroup); rows padded by one float so the writer lanes' rows fall
+        # in distinct banks
         rows = self.rows_per_consumer_warpgroup
         pitch = self.staged_pages + 1
-        return cute.make_layout((rows, self.staged_pages, self.num_consumer_warpgroups), stride=(pitch, 1, rows * pitch))
+        block = rows * pitch
+        return cute.make_layout((rows, self.staged_pages, self.maxima_buffers, self.num_consumer_warpgroups),
+                                stride=(pitch, 1, block, block * self.maxima_buffers))
 
     def _staged_maxima_floats(self) -> int:
         if not self.staged_stores:
             return 4  # unused
-        return self.rows_per_consumer_warpgroup * (self.staged_pages + 1) * self.num_consumer_warpgroups
+        return (self.rows_per_consumer_warpgroup * (self.staged_pages + 1) * self.maxima_buffers
+                * self.num_consumer_warpgroups)
 
     def _smem_layout(self, rows: int, stages: int):
         atom = warpgroup.make_smem_layout_atom(
@@ -224,6 +252,7 @@ class PageScoreKernelSm90:
         class SharedStorage:
             q_barriers: cute.struct.MemRange[cutlass.Int64, self.q_stages * 2]
             k_barriers: cute.struct.MemRange[cutlass.Int64, self.k_stages * 2]
+            maxima_barriers: cute.struct.MemRange[cutlass.Int64, self.maxima_buffers * self.num_consumer_warpgroups * 2]
             sQ: cute.struct.Align[cute.struct.MemRange[self.operand_dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.operand_dtype, cute.cosize(sK_layout)], 1024]
             sMaxima: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self._staged_maxima_floats()], 16]
@@ -282,6 +311,12 @@ class PageScoreKernelSm90:
         sMaxima = None
         if cutlass.const_expr(self.staged_stores):
             sMaxima = storage.sMaxima.get_tensor(self._staged_maxima_layout())
+        maxima_barriers = storage.maxima_barriers.data_ptr()
+        if cutlass.const_expr(self.store_warp):
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    self._init_maxima_handoff(maxima_barriers)
+            cute.arch.mbarrier_init_fence()
         pipeline.pipeline_init_wait()
 
         num_tasks = mNumTasks[0]
@@ -290,9 +325,13 @@ class PageScoreKernelSm90:
             if warp_idx == 0:
                 self.load(tma_atom_q, mQ, tma_atom_k, mK, sQ, sK, mBlockTable, mDescriptors,
                           q_pipeline, k_pipeline, cta_idx, num_ctas, num_tasks)
+            if cutlass.const_expr(self.store_warp):
+                if warp_idx == 1:
+                    self.store_staged_maxima(sMaxima, maxima_barriers, mScores, mDescriptors, tidx % 32,
+                                             cta_idx, num_ctas, num_tasks)
         else:
             cute.arch.warpgroup_reg_alloc(self.consumer_registers)
-            self.score(tiled_mma, sQ, sK, sMaxima, mScores, mDescriptors, q_pipeline, k_pipeline,
+            self.score(tiled_mma, sQ, sK, sMaxima, maxima_barriers, mScores, mDescriptors, q_pipeline, k_pipeline,
                        tidx - self.threads_per_warpgroup, cta_idx, num_ctas, num_tasks)
 
     def _ring(self, barriers, stages: int, stage_bytes: int):
@@ -343,7 +382,7 @@ class PageScoreKernelSm90:
         k_pipeline.producer_tail(k_state)
 
     @cute.jit
-    def score(self, tiled_mma, sQ, sK, sMaxima, mScores, mDescriptors, q_pipeline, k_pipeline,
+    def score(self, tiled_mma, sQ, sK, sMaxima, maxima_barriers, mScores, mDescriptors, q_pipeline, k_pipeline,
               consumer_tidx, cta_idx, num_ctas, num_tasks):
         thr_mma = tiled_mma.get_slice(consumer_tidx)
         tSrQ = tiled_mma.make_fragment_A(thr_mma.partition_A(sQ))
@@ -355,6 +394,7 @@ class PageScoreKernelSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         k_read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.k_stages)
         k_release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.k_stages)
+        maxima_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.maxima_buffers)
         consumer_warpgroup = cute.arch.make_warp_uniform(consumer_tidx // self.threads_per_warpgroup)
         if cutlass.const_expr(self.issue_ring is not None):
             # the last warpgroup hands the first one its first token
@@ -403,11 +443,23 @@ class PageScoreKernelSm90:
                         self._pass_issue_token(consumer_warpgroup)
                     warpgroup.wait_group(0)
                     k_release_state = self._release_page(k_pipeline, k_release_state)
-                    if cutlass.const_expr(self.staged_stores):
+                    if cutlass.const_expr(self.store_warp):
                         slot = page_offset % self.staged_pages
-                        self._stage_page(acc, rows, sMaxima[None, None, consumer_warpgroup], consumer_warpgroup, slot)
+                        if slot == 0:  # the store warp has written this buffer out
+                            cute.arch.mbarrier_wait(
+                                self._maxima_barrier(maxima_barriers, consumer_warpgroup, maxima_state.index, empty=True),
+                                maxima_state.phase)
+                        self._stage_page(acc, rows, sMaxima[None, None, maxima_state.index, consumer_warpgroup],
+                                         consumer_warpgroup, slot)
                         if slot == self.staged_pages - 1 or page_offset == page_count - 1:
-                            self._write_staged_maxima(sMaxima[None, None, consumer_warpgroup], rows, mScores,
+                            cute.arch.mbarrier_arrive(
+                                self._maxima_barrier(maxima_barriers, consumer_warpgroup, maxima_state.index, empty=False))
+                            maxima_state = self._advanced(maxima_state)
+                    elif cutlass.const_expr(self.staged_stores):
+                        slot = page_offset % self.staged_pages
+                        self._stage_page(acc, rows, sMaxima[None, None, 0, consumer_warpgroup], consumer_warpgroup, slot)
+                        if slot == self.staged_pages - 1 or page_offset == page_count - 1:
+                            self._write_staged_maxima(sMaxima[None, None, 0, consumer_warpgroup], rows, mScores,
                                                       consumer_warpgroup, page_begin + page_offset - slot, slot + 1)
                     else:
                         self._store_page(acc, rows, mScores, page_begin + page_offset)
@@ -417,6 +469,53 @@ class PageScoreKernelSm90:
             # every warpgroup issued as many pages; the last one's final token is still pending
             if consumer_warpgroup == 0:
                 self._wait_issue_token(consumer_warpgroup)
+
+    @staticmethod
+    def _advanced(state):
+        next_state = state.clone()
+        next_state.advance()
+        return next_state
+
+    def _maxima_barrier(self, maxima_barriers, consumer_warpgroup, buffer, *, empty: bool):
+        """The mbarrier of one staging buffer: "full" (its 128 threads staged a block) or "empty" (written out)."""
+        index = consumer_warpgroup * self.maxima_buffers + buffer
+        if empty:
+            index = index + self.num_consumer_warpgroups * self.maxima_buffers
+        return maxima_barriers + index
+
+    def _init_maxima_handoff(self, maxima_barriers):
+        for warpgroup_index in range(self.num_consumer_warpgroups):
+            for buffer in range(self.maxima_buffers):
+                cute.arch.mbarrier_init(self._maxima_barrier(maxima_barriers, warpgroup_index, buffer, empty=False),
+                                        self.threads_per_warpgroup)
+                cute.arch.mbarrier_init(self._maxima_barrier(maxima_barriers, warpgroup_index, buffer, empty=True), 32)
+
+    @cute.jit
+    def store_staged_maxima(self, sMaxima, maxima_barriers, mScores, mDescriptors, lane, cta_idx, num_ctas, num_tasks):
+        """The store warp: replays the consumers' schedule (the same tasks, a block every ``staged_pages`` pages and
+        at each task's end) and writes each warpgroup's staged block out, consecutive lanes on consecutive pages
+        of a row, each row only below its local page."""
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.maxima_buffers)
+        rows_per_pass = 32 // self.staged_pages
+        column = lane % self.staged_pages
+        for task in cutlass.range(cta_idx, num_tasks, num_ctas, unroll=1):
+            descriptor = load_task(mDescriptors, task, self.num_heads)
+            for block_begin in cutlass.range(0, descriptor.page_count, self.staged_pages, unroll=1):
+                pages = cutlass.min(self.staged_pages, descriptor.page_count - block_begin)
+                page = descriptor.page_begin + block_begin + column
+                for warpgroup_index in cutlass.range_constexpr(self.num_consumer_warpgroups):
+                    cute.arch.mbarrier_wait(
+                        self._maxima_barrier(maxima_barriers, warpgroup_index, state.index, empty=False), state.phase)
+                    sBlock = sMaxima[None, None, state.index, warpgroup_index]
+                    for row_group in cutlass.range(0, self.rows_per_consumer_warpgroup, rows_per_pass, unroll=2):
+                        local_row = row_group + lane // self.staged_pages
+                        tile_row = warpgroup_index * self.rows_per_consumer_warpgroup + local_row
+                        history = (descriptor.position_begin + tile_row // self.num_heads) // self.page_size
+                        if column < pages and tile_row < descriptor.rows and page < history:
+                            mScores[descriptor.row_begin + tile_row, page] = sBlock[local_row, column]
+                    cute.arch.mbarrier_arrive(
+                        self._maxima_barrier(maxima_barriers, warpgroup_index, state.index, empty=True))
+                state = self._advanced(state)
 
     def _issue_token_barrier(self, warpgroup_index):
         return int(NamedBarrier.ISSUE_RING) + warpgroup_index
