@@ -138,7 +138,7 @@ class PageScoreKernelSm90:
         ``store_warp`` (with ``staged_stores``): the consumer warpgroups only fill the staging blocks, double
         buffered, and hand them (one mbarrier pair per warpgroup and buffer) to warp 1 of the producer
         warpgroup, which replays the task schedule and writes them out, so the write-out leaves the consumers'
-        critical path. Opt-in until measured.
+        critical path. Opt-in until measured. ``staged_pages`` (8 or 16): the pages of one staging block.
         """
         if num_heads not in (1, 2, 4):
             raise ValueError(f"num_heads must be 1, 2 or 4, got {num_heads}")
@@ -409,8 +409,8 @@ class PageScoreKernelSm90:
                 descriptor.rows,
                 first_row,
                 second_row,
-                (descriptor.position_begin + first_row // self.num_heads) // self.page_size,
-                (descriptor.position_begin + second_row // self.num_heads) // self.page_size,
+                self._local_page(descriptor.position_begin, first_row),
+                self._local_page(descriptor.position_begin, second_row),
                 descriptor.position_begin,
             )
 
@@ -470,6 +470,10 @@ class PageScoreKernelSm90:
             if consumer_warpgroup == 0:
                 self._wait_issue_token(consumer_warpgroup)
 
+    def _local_page(self, position_begin, tile_row):
+        """L of a tile row: its token's local page, so pages [0, L) are its history (trace-time helper)."""
+        return (position_begin + tile_row // self.num_heads) // self.page_size
+
     @staticmethod
     def _advanced(state):
         next_state = state.clone()
@@ -510,7 +514,7 @@ class PageScoreKernelSm90:
                     for row_group in cutlass.range(0, self.rows_per_consumer_warpgroup, rows_per_pass, unroll=2):
                         local_row = row_group + lane // self.staged_pages
                         tile_row = warpgroup_index * self.rows_per_consumer_warpgroup + local_row
-                        history = (descriptor.position_begin + tile_row // self.num_heads) // self.page_size
+                        history = self._local_page(descriptor.position_begin, tile_row)
                         if column < pages and tile_row < descriptor.rows and page < history:
                             mScores[descriptor.row_begin + tile_row, page] = sBlock[local_row, column]
                     cute.arch.mbarrier_arrive(
@@ -614,7 +618,7 @@ class PageScoreKernelSm90:
             staged = [sWarpgroupMaxima[(group + i) * rows_per_pass + thread // self.staged_pages, column] for i in range(4)]
             for i in cutlass.range_constexpr(4):
                 tile_row = block_row + (group + i) * rows_per_pass + thread // self.staged_pages
-                history = (rows.position_begin + tile_row // self.num_heads) // self.page_size
+                history = self._local_page(rows.position_begin, tile_row)
                 if column < pages and tile_row < rows.valid_rows and page < history:
                     mScores[rows.row_begin + tile_row, page] = staged[i]
         # the next page's maxima may overwrite the block only once every thread has read it
