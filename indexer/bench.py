@@ -146,16 +146,19 @@ def time_graphs(callables, warmup=5, samples=20):
     return statistics.median(times), statistics.pstdev(times) / statistics.mean(times)
 
 
-def schedule_balance(plan, num_ctas: int) -> float:
+def schedule_balance(plan, num_ctas: int, *, per: str = "row") -> float:
     """Mean over max of the per-CTA work under the kernel's static round robin (CTA c runs tasks c, c + grid, ...):
-    the share of the SMs kept busy if every (row, page) costs the same (1.0 = perfectly balanced)."""
+    the share of the SMs kept busy (1.0 = perfectly balanced) if every valid (row, page) costs the same
+    (``per="row"``: useful work), or if every (tile, page) does (``per="tile"``: the score kernel's time, since each
+    consumer warpgroup computes its whole 64-row block whatever the valid rows)."""
     from .planner import decode_descriptors
 
     count = int(plan.num_tasks[0])
     if count == 0:
         return 1.0
     fields = decode_descriptors(plan.descriptors[:count].cpu())
-    work = (fields["tokens"] * plan.shape.num_heads * fields["page_count"]).double()
+    rows = fields["tokens"] * plan.shape.num_heads if per == "row" else plan.shape.tile_rows
+    work = (rows * fields["page_count"]).double()
     per_cta = torch.zeros(num_ctas, dtype=torch.float64)
     per_cta.index_add_(0, torch.arange(count) % num_ctas, work)
     return float(per_cta.mean() / per_cta.max())
@@ -181,6 +184,7 @@ def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "
         wrapper.plan(cu, seq_lens, block_table, **bounds, request_lengths=lengths if host_lengths else None)
         tasks = int(wrapper.task_plan.num_tasks[0])
         balance = schedule_balance(wrapper.task_plan, wrapper.task_plan.shape.num_sms)
+        occupancy = schedule_balance(wrapper.task_plan, wrapper.task_plan.shape.num_sms, per="tile")
         runs.append(lambda w=wrapper, q=q, k=k: w.run(q, k))
         scores_only.append(lambda w=wrapper, q=q, k=k: w.run_scores(q, k))
         selection = torch.empty(case["total_q"] * num_heads, 16, dtype=torch.int32, device=device)
@@ -190,7 +194,7 @@ def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "
             base_runs.append(TorchFp8Baseline(lengths, num_heads, q, k, block_table, scores))
     result = dict(case_id=case["case_id"], batch=case["batch_size"], total_q=case["total_q"], max_kv=case["max_final_kv"],
                   weight=case.get("representative_weight") or 0, num_heads=num_heads, slots=slots, tasks=tasks,
-                  sm_busy=balance,
+                  sm_busy=balance, sm_busy_tile_time=occupancy, task_cost=wrapper.task_plan.shape.task_cost,
                   backend=wrapper.active_backend, precision=precision, tile_rows=wrapper.task_plan.shape.tile_rows,
                   page_chunk=wrapper.task_plan.shape.page_chunk, host_lengths=host_lengths,
                   topk_lane_list=_backend_setting("TOPK_LANE_LIST_LENGTH"),
@@ -241,7 +245,13 @@ def main(argv=None):
     parser.add_argument("--store-warp", choices=["on", "off"], default=None,
                         help="score kernel (256-row tiles): a producer-side warp writes the staged row maxima out "
                              "(default: the library's)")
+    parser.add_argument("--task-cost", choices=["rows", "tile"], default=None,
+                        help="planner: a task costs its valid rows x pages, or its tile's (default: the library's)")
     args = parser.parse_args(argv)
+    if args.task_cost:
+        from . import planner
+
+        planner.DEFAULT_TASK_COST = args.task_cost
     if args.store_warp:
         from . import cute_backend
 
@@ -305,7 +315,8 @@ def print_summary(results):
                 print(f"H={num_heads} {name}: {len(rows)} cases, median run "
                       f"{statistics.median(r['run_ms'] for r in rows) * 1e3:.1f} us, median scores "
                       f"{statistics.median(r['scores_ms'] for r in rows) * 1e3:.1f} us, median SM busy "
-                      f"{statistics.median(r['sm_busy'] for r in rows):.2f}")
+                      f"{statistics.median(r['sm_busy'] for r in rows):.2f} (useful work) / "
+                      f"{statistics.median(r.get('sm_busy_tile_time', float('nan')) for r in rows):.2f} (kernel time)")
 
 
 def query_length_classes(results) -> dict:

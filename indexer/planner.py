@@ -30,6 +30,8 @@ __all__ = [
     "DEFAULT_NUM_SMS",
     "CHUNK_POLICIES",
     "DEFAULT_CHUNK_POLICY",
+    "TASK_COSTS",
+    "DEFAULT_TASK_COST",
     "PlanError",
     "PlanShape",
     "TaskPlan",
@@ -54,6 +56,13 @@ DEFAULT_CHUNK_POLICY = "balanced"
 """``balanced``: pick the chunk whose static round-robin schedule has the smallest predicted makespan (below);
 measured on the H200 (docs/PERFORMANCE.md): 373 vs 379 µs scores, 409 vs 430 µs run on the weighted cases at H = 4.
 ``fill_sms``: split each tile's history so that the plan has about one task per SM."""
+TASK_COSTS = ("rows", "tile")
+DEFAULT_TASK_COST = "rows"
+"""What a task costs in the ``balanced`` model and in the heavy-first order: ``rows``: its valid rows x pages (the
+useful work); ``tile``: its tile's rows x pages, which is what the score kernel spends (every consumer warpgroup
+computes its whole 64-row block, valid rows or not), so a partial tile's tasks weigh as much as a full tile's.
+``tile`` predicts shorter real makespans for short queries and batches with partial tiles (docs/PERFORMANCE.md,
+session 7); opt-in until measured on the GPU."""
 _TASK_OVERHEAD_PAGES = 2  # per-task cost (Q tile load, pipeline fill and drain) in pages of work, for the model
 BALANCED_MIN_PAGE_CHUNK = 2
 """Short queries over long contexts may need chunks below ``MIN_PAGE_CHUNK`` to give every SM a task."""
@@ -113,6 +122,7 @@ class PlanShape:
     page_chunk: int
     chunks_per_tile_capacity: int
     task_capacity: int
+    task_cost: str = "rows"  # TASK_COSTS: what orders the tasks heaviest first
 
 
 @dataclass
@@ -139,6 +149,7 @@ def plan_shape(
     num_sms: int = DEFAULT_NUM_SMS,
     chunk_policy: Optional[str] = None,
     request_lengths: Optional[Sequence[Tuple[int, int]]] = None,
+    task_cost: Optional[str] = None,
 ) -> PlanShape:
     """Capacities of the plan. Python ints throughout, so nothing overflows; limits raise ValueError.
 
@@ -146,7 +157,7 @@ def plan_shape(
     ``request_lengths``: ``(query tokens, context tokens)`` per request as host ints, when the caller has them;
     the ``balanced`` chunk model then uses them instead of modelling every request at ``max_seqlen_q`` tokens
     after ``max_seqlen_k`` of context. Only the page chunk depends on them (capacities come from the bounds), so
-    the plan is correct whatever they say.
+    the plan is correct whatever they say. ``task_cost``: ``TASK_COSTS`` (default ``DEFAULT_TASK_COST``).
     """
     if tile_rows is None:
         tile_rows = max(1, DEFAULT_TILE_ROWS // num_heads) * num_heads
@@ -168,6 +179,9 @@ def plan_shape(
     policy = chunk_policy or DEFAULT_CHUNK_POLICY
     if policy not in CHUNK_POLICIES:
         raise ValueError(f"chunk_policy must be one of {CHUNK_POLICIES}, got {policy!r}")
+    task_cost = task_cost or DEFAULT_TASK_COST
+    if task_cost not in TASK_COSTS:
+        raise ValueError(f"task_cost must be one of {TASK_COSTS}, got {task_cost!r}")
     # fill_sms: enough chunks per tile that even a few q tiles give every SM a task
     chunks_per_tile_target = max(1, -(-num_sms // max(1, q_tile_capacity)))
     page_chunk = min(MAX_PAGE_CHUNK, max(MIN_PAGE_CHUNK, max_history_pages // chunks_per_tile_target))
@@ -180,7 +194,7 @@ def plan_shape(
         # the model depends on whole pages, so contexts rounded up to a page keep the memo valid for a page's
         # worth of decode steps
         requests = tuple((q_len, -(-kv_len // page_size) * page_size) for q_len, kv_len in requests if q_len > 0)
-        page_chunk = _balanced_page_chunk(requests, page_size, tile_tokens, num_heads, num_sms) or page_chunk
+        page_chunk = _balanced_page_chunk(requests, page_size, tile_tokens, num_heads, num_sms, task_cost) or page_chunk
     chunks_per_tile_capacity = -(-max_history_pages // page_chunk)
     task_capacity = q_tile_capacity * chunks_per_tile_capacity
     if task_capacity > _INT32_MAX:
@@ -201,6 +215,7 @@ def plan_shape(
         page_chunk=page_chunk,
         chunks_per_tile_capacity=chunks_per_tile_capacity,
         task_capacity=task_capacity,
+        task_cost=task_cost,
     )
 
 
@@ -213,11 +228,12 @@ def modelled_requests(total_q: int, max_seqlen_q: int, max_seqlen_k: int) -> tup
 
 
 @functools.lru_cache(maxsize=256)
-def _balanced_page_chunk(requests: tuple, page_size, tile_tokens, num_heads, num_sms) -> int:
+def _balanced_page_chunk(requests: tuple, page_size, tile_tokens, num_heads, num_sms, task_cost: str = "rows") -> int:
     """The chunk minimising the predicted makespan of the kernel's static round robin over heavy-first tasks.
 
     ``requests``: ``(query tokens, context tokens)`` per request, host ints (no device data). A task of ``r`` rows
-    and ``p`` pages costs ``r * (p + overhead)``; ties go to the larger chunk (fewer tasks).
+    (valid rows, or the tile's with ``task_cost="tile"``) and ``p`` pages costs ``r * (p + overhead)``; ties go to
+    the larger chunk (fewer tasks).
     """
     if not requests:
         return MIN_PAGE_CHUNK
@@ -227,7 +243,7 @@ def _balanced_page_chunk(requests: tuple, page_size, tile_tokens, num_heads, num
     request = torch.repeat_interleave(torch.arange(len(requests)), tiles)
     starts = (torch.arange(int(tiles.sum())) - torch.repeat_interleave(torch.cumsum(tiles, 0) - tiles, tiles)) * tile_tokens
     tokens = (q_lens[request] - starts).clamp(max=tile_tokens)
-    rows = tokens * num_heads
+    rows = tokens * num_heads if task_cost == "rows" else torch.full_like(tokens, tile_tokens * num_heads)
     history = (kv_lens[request] - q_lens[request] + starts + tokens - 1) // page_size
     if int(history.sum()) == 0:
         return MIN_PAGE_CHUNK
@@ -298,7 +314,7 @@ def build_task_plan(
     task_valid = torch.arange(shape.task_capacity, device=device) < task_end[-1]
     page_begin = task_chunk * shape.page_chunk
     page_count = (history[task_tile] - page_begin).clamp(min=1, max=shape.page_chunk)
-    rows = tile_tokens[task_tile] * shape.num_heads
+    rows = tile_tokens[task_tile] * shape.num_heads if shape.task_cost == "rows" else shape.tile_rows
     bucket = _bucket_of(rows * page_count)
 
     # Heaviest bucket first; inside a bucket, chunk-major so concurrent CTAs stream the same K pages.

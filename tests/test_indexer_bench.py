@@ -52,3 +52,14 @@ def test_store_warp_option_switches_the_score_kernel_write_out(monkeypatch):
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             bench.main(["--quick", "--store-warp", value])
         assert cute_backend.SCORE_STORE_WARP is expected
+
+
+def test_task_cost_option_switches_the_planner_model(monkeypatch):
+    from indexer import planner
+
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    for value in ("tile", "rows"):
+        monkeypatch.setattr(planner, "DEFAULT_TASK_COST", "unset")
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            bench.main(["--quick", "--task-cost", value])
+        assert planner.DEFAULT_TASK_COST == value

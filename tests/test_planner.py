@@ -27,7 +27,7 @@ def metadata(lengths):
 
 
 def build(lengths, num_heads, *, tile_rows=None, num_sms=132, max_seqlen_q=None, max_seqlen_k=None, page_size=128,
-          chunk_policy=None):
+          chunk_policy=None, task_cost=None, request_lengths=None):
     cu, seq_lens = metadata(lengths)
     shape = plan_shape(
         num_requests=len(lengths),
@@ -39,6 +39,8 @@ def build(lengths, num_heads, *, tile_rows=None, num_sms=132, max_seqlen_q=None,
         tile_rows=tile_rows,
         num_sms=num_sms,
         chunk_policy=chunk_policy,
+        task_cost=task_cost,
+        request_lengths=request_lengths,
     )
     return build_task_plan(cu, seq_lens, shape), shape
 
@@ -85,8 +87,11 @@ def check_plan(lengths, num_heads, **kwargs):
             assert covered == history
     assert set(tiles) == expected_tiles
 
-    # heaviest bucket first; offsets agree with the counts
-    buckets = [sum(t["tokens"] * num_heads * t["page_count"] >= th for th in BUCKET_THRESHOLDS) for t in tasks]
+    # heaviest bucket first (by valid rows or by the tile's rows, as the plan's task cost says); offsets agree
+    def task_rows(task):
+        return task["tokens"] * num_heads if shape.task_cost == "rows" else shape.tile_rows
+
+    buckets = [sum(task_rows(t) * t["page_count"] >= th for th in BUCKET_THRESHOLDS) for t in tasks]
     assert buckets == sorted(buckets, reverse=True)
     offsets = plan.bucket_offsets.tolist()
     assert offsets[0] == 0 and offsets[-1] == len(tasks)
@@ -116,9 +121,10 @@ lengths_strategy = st.lists(
     num_heads=st.sampled_from([1, 2, 4]),
     tile_rows=st.sampled_from([None, 256]),
     chunk_policy=st.sampled_from(["fill_sms", "balanced"]),
+    task_cost=st.sampled_from(["rows", "tile"]),
 )
-def test_plan_covers_every_tile_and_page_exactly_once(lengths, num_heads, tile_rows, chunk_policy):
-    check_plan(lengths, num_heads, tile_rows=tile_rows, chunk_policy=chunk_policy)
+def test_plan_covers_every_tile_and_page_exactly_once(lengths, num_heads, tile_rows, chunk_policy, task_cost):
+    check_plan(lengths, num_heads, tile_rows=tile_rows, chunk_policy=chunk_policy, task_cost=task_cost)
 
 
 def test_plan_is_deterministic_and_refills_in_place():
@@ -321,3 +327,38 @@ def test_scores_and_selection_do_not_depend_on_the_host_request_lengths():
         results.append((wrapper.scores[written].clone(), selection.clone()))
     for scores, selection in results[1:]:
         assert torch.equal(scores, results[0][0]) and torch.equal(selection, results[0][1])
+
+
+def test_tile_task_cost_balances_partial_tiles_by_what_the_kernel_spends():
+    """338 tokens at H = 1 are a full 256-row tile and a partial one of 82 rows over the same ~580 pages. Valid rows
+    make the partial tile's tasks look cheap; the kernel spends a full tile on them. Costed per tile, the plan's
+    kernel-time makespan is shorter and its SMs busier (measured on these plans, not yet on the GPU)."""
+    from indexer.bench import schedule_balance
+
+    lengths = [(338, 74_578)]
+    plans = {cost: build(lengths, 1, tile_rows=256, task_cost=cost, request_lengths=lengths) for cost in ("rows", "tile")}
+
+    def kernel_time_makespan(plan):
+        tasks = tasks_of(plan)
+        per_cta = [0] * 132
+        for index, task in enumerate(tasks):
+            per_cta[index % 132] += task["page_count"] + 2
+        return max(per_cta)
+
+    (rows_plan, rows_shape), (tile_plan, tile_shape) = plans["rows"], plans["tile"]
+    assert rows_shape.task_cost == "rows" and tile_shape.task_cost == "tile"
+    assert kernel_time_makespan(tile_plan) < 0.8 * kernel_time_makespan(rows_plan)
+    assert schedule_balance(tile_plan, 132, per="tile") > schedule_balance(rows_plan, 132, per="tile") + 0.1
+    with pytest.raises(ValueError, match="task_cost"):
+        plan_shape(num_requests=1, total_q=8, num_heads=1, page_size=128, max_seqlen_q=8, max_seqlen_k=800, task_cost="x")
+
+
+def test_kernel_time_balance_counts_a_partial_tile_in_full():
+    from indexer.bench import schedule_balance
+
+    # H = 4: tiles of 64 tokens; 100 tokens at positions 1024..1123 are a full tile and one of 36 tokens, both with
+    # 8 history pages: one task each on two SMs
+    plan, shape = build([(100, 1124)], 4, tile_rows=256, num_sms=2, chunk_policy="fill_sms")
+    assert [(t["tokens"], t["page_count"]) for t in tasks_of(plan)] == [(64, 8), (36, 8)]
+    assert schedule_balance(plan, 2, per="tile") == pytest.approx(1.0)  # both SMs spend a full tile's time
+    assert schedule_balance(plan, 2, per="row") == pytest.approx((64 + 36) / 2 / 64)  # useful work
