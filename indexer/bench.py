@@ -153,6 +153,8 @@ def schedule_balance(plan, num_ctas: int, *, per: str = "row") -> float:
     consumer warpgroup computes its whole 64-row block whatever the valid rows)."""
     from .planner import decode_descriptors
 
+    if per not in ("row", "tile"):
+        raise ValueError(f"per must be 'row' or 'tile', got {per!r}")
     count = int(plan.num_tasks[0])
     if count == 0:
         return 1.0

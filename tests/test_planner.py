@@ -362,3 +362,5 @@ def test_kernel_time_balance_counts_a_partial_tile_in_full():
     assert [(t["tokens"], t["page_count"]) for t in tasks_of(plan)] == [(64, 8), (36, 8)]
     assert schedule_balance(plan, 2, per="tile") == pytest.approx(1.0)  # both SMs spend a full tile's time
     assert schedule_balance(plan, 2, per="row") == pytest.approx((64 + 36) / 2 / 64)  # useful work
+    with pytest.raises(ValueError, match="per must be"):
+        schedule_balance(plan, 2, per="rows")
