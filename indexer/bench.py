@@ -146,20 +146,20 @@ def time_graphs(callables, warmup=5, samples=20):
     return statistics.median(times), statistics.pstdev(times) / statistics.mean(times)
 
 
-def schedule_balance(plan, num_ctas: int, *, per: str = "row") -> float:
+def schedule_balance(plan, num_ctas: int, *, cost: str = "rows") -> float:
     """Mean over max of the per-CTA work under the kernel's static round robin (CTA c runs tasks c, c + grid, ...):
-    the share of the SMs kept busy (1.0 = perfectly balanced) if every valid (row, page) costs the same
-    (``per="row"``: useful work), or if every (tile, page) does (``per="tile"``: the score kernel's time, since each
-    consumer warpgroup computes its whole 64-row block whatever the valid rows)."""
-    from .planner import decode_descriptors
+    the share of the SMs kept busy (1.0 = perfectly balanced) when a task costs ``cost`` (``planner.TASK_COSTS``):
+    its valid rows x pages (``"rows"``: useful work) or its tile's rows x pages (``"tile"``: the score kernel's time,
+    since each consumer warpgroup computes its whole 64-row block whatever the valid rows)."""
+    from .planner import TASK_COSTS, decode_descriptors
 
-    if per not in ("row", "tile"):
-        raise ValueError(f"per must be 'row' or 'tile', got {per!r}")
+    if cost not in TASK_COSTS:
+        raise ValueError(f"cost must be one of {TASK_COSTS}, got {cost!r}")
     count = int(plan.num_tasks[0])
     if count == 0:
         return 1.0
     fields = decode_descriptors(plan.descriptors[:count].cpu())
-    rows = fields["tokens"] * plan.shape.num_heads if per == "row" else plan.shape.tile_rows
+    rows = fields["tokens"] * plan.shape.num_heads if cost == "rows" else plan.shape.tile_rows
     work = (rows * fields["page_count"]).double()
     per_cta = torch.zeros(num_ctas, dtype=torch.float64)
     per_cta.index_add_(0, torch.arange(count) % num_ctas, work)
@@ -186,7 +186,7 @@ def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "
         wrapper.plan(cu, seq_lens, block_table, **bounds, request_lengths=lengths if host_lengths else None)
         tasks = int(wrapper.task_plan.num_tasks[0])
         balance = schedule_balance(wrapper.task_plan, wrapper.task_plan.shape.num_sms)
-        occupancy = schedule_balance(wrapper.task_plan, wrapper.task_plan.shape.num_sms, per="tile")
+        occupancy = schedule_balance(wrapper.task_plan, wrapper.task_plan.shape.num_sms, cost="tile")
         runs.append(lambda w=wrapper, q=q, k=k: w.run(q, k))
         scores_only.append(lambda w=wrapper, q=q, k=k: w.run_scores(q, k))
         selection = torch.empty(case["total_q"] * num_heads, 16, dtype=torch.int32, device=device)

@@ -348,7 +348,7 @@ def test_tile_task_cost_balances_partial_tiles_by_what_the_kernel_spends():
     (rows_plan, rows_shape), (tile_plan, tile_shape) = plans["rows"], plans["tile"]
     assert rows_shape.task_cost == "rows" and tile_shape.task_cost == "tile"
     assert kernel_time_makespan(tile_plan) < 0.8 * kernel_time_makespan(rows_plan)
-    assert schedule_balance(tile_plan, 132, per="tile") > schedule_balance(rows_plan, 132, per="tile") + 0.1
+    assert schedule_balance(tile_plan, 132, cost="tile") > schedule_balance(rows_plan, 132, cost="tile") + 0.1
     with pytest.raises(ValueError, match="task_cost"):
         plan_shape(num_requests=1, total_q=8, num_heads=1, page_size=128, max_seqlen_q=8, max_seqlen_k=800, task_cost="x")
 
@@ -360,7 +360,7 @@ def test_kernel_time_balance_counts_a_partial_tile_in_full():
     # 8 history pages: one task each on two SMs
     plan, shape = build([(100, 1124)], 4, tile_rows=256, num_sms=2, chunk_policy="fill_sms")
     assert [(t["tokens"], t["page_count"]) for t in tasks_of(plan)] == [(64, 8), (36, 8)]
-    assert schedule_balance(plan, 2, per="tile") == pytest.approx(1.0)  # both SMs spend a full tile's time
-    assert schedule_balance(plan, 2, per="row") == pytest.approx((64 + 36) / 2 / 64)  # useful work
-    with pytest.raises(ValueError, match="per must be"):
-        schedule_balance(plan, 2, per="rows")
+    assert schedule_balance(plan, 2, cost="tile") == pytest.approx(1.0)  # both SMs spend a full tile's time
+    assert schedule_balance(plan, 2, cost="rows") == pytest.approx((64 + 36) / 2 / 64)  # useful work
+    with pytest.raises(ValueError, match="cost must be one of"):
+        schedule_balance(plan, 2, cost="row")

@@ -500,23 +500,17 @@ class PageScoreKernelSm90:
         at each task's end) and writes each warpgroup's staged block out, consecutive lanes on consecutive pages
         of a row, each row only below its local page."""
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.maxima_buffers)
-        rows_per_pass = 32 // self.staged_pages
-        column = lane % self.staged_pages
         for task in cutlass.range(cta_idx, num_tasks, num_ctas, unroll=1):
             descriptor = load_task(mDescriptors, task, self.num_heads)
             for block_begin in cutlass.range(0, descriptor.page_count, self.staged_pages, unroll=1):
                 pages = cutlass.min(self.staged_pages, descriptor.page_count - block_begin)
-                page = descriptor.page_begin + block_begin + column
                 for warpgroup_index in cutlass.range_constexpr(self.num_consumer_warpgroups):
                     cute.arch.mbarrier_wait(
                         self._maxima_barrier(maxima_barriers, warpgroup_index, state.index, empty=False), state.phase)
-                    sBlock = sMaxima[None, None, state.index, warpgroup_index]
-                    for row_group in cutlass.range(0, self.rows_per_consumer_warpgroup, rows_per_pass, unroll=2):
-                        local_row = row_group + lane // self.staged_pages
-                        tile_row = warpgroup_index * self.rows_per_consumer_warpgroup + local_row
-                        history = self._local_page(descriptor.position_begin, tile_row)
-                        if column < pages and tile_row < descriptor.rows and page < history:
-                            mScores[descriptor.row_begin + tile_row, page] = sBlock[local_row, column]
+                    self._write_block(sMaxima[None, None, state.index, warpgroup_index], mScores, lane, 32,
+                                      warpgroup_index * self.rows_per_consumer_warpgroup, descriptor.row_begin,
+                                      descriptor.rows, descriptor.position_begin,
+                                      descriptor.page_begin + block_begin, pages)
                     cute.arch.mbarrier_arrive(
                         self._maxima_barrier(maxima_barriers, warpgroup_index, state.index, empty=True))
                 state = self._advanced(state)
@@ -575,13 +569,7 @@ class PageScoreKernelSm90:
     @cute.jit
     def _store_page(self, acc, rows, mScores, page):
         """Row maxima of one page; one lane per quad stores those before the row's local page."""
-        values_per_row = cute.size(acc) // 2
-        first_max = self._quad_max(self._row_max(acc, 0, values_per_row))
-        second_max = self._quad_max(self._row_max(acc, 1, values_per_row))
-        self._store_row_maxima(first_max, second_max, rows, mScores, page)
-
-    @cute.jit
-    def _store_row_maxima(self, first_max, second_max, rows, mScores, page):
+        first_max, second_max = self._page_row_maxima(acc)
         if rows.is_writer:
             if rows.first_row < rows.valid_rows:
                 if page < rows.first_history:
@@ -593,9 +581,7 @@ class PageScoreKernelSm90:
     @cute.jit
     def _stage_page(self, acc, rows, sWarpgroupMaxima, consumer_warpgroup, slot):
         """Row maxima of one page into column ``slot`` of this warpgroup's staging block."""
-        values_per_row = cute.size(acc) // 2
-        first_max = self._quad_max(self._row_max(acc, 0, values_per_row))
-        second_max = self._quad_max(self._row_max(acc, 1, values_per_row))
+        first_max, second_max = self._page_row_maxima(acc)
         if rows.is_writer:
             block_row = consumer_warpgroup * self.rows_per_consumer_warpgroup
             sWarpgroupMaxima[rows.first_row - block_row, slot] = first_max
@@ -607,22 +593,36 @@ class PageScoreKernelSm90:
         pages of a row (whole sectors per store), each row only below its local page."""
         barrier_id = int(NamedBarrier.STAGED_MAXIMA) + consumer_warpgroup
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=self.threads_per_warpgroup)
-        thread = rows.tidx % self.threads_per_warpgroup
-        block_row = consumer_warpgroup * self.rows_per_consumer_warpgroup
-        rows_per_pass = self.threads_per_warpgroup // self.staged_pages
+        self._write_block(sWarpgroupMaxima, mScores, rows.tidx % self.threads_per_warpgroup, self.threads_per_warpgroup,
+                          consumer_warpgroup * self.rows_per_consumer_warpgroup, rows.row_begin, rows.valid_rows,
+                          rows.position_begin, first_page, pages)
+        # the next page's maxima may overwrite the block only once every thread has read it
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=self.threads_per_warpgroup)
+
+    @cute.jit
+    def _write_block(self, sBlock, mScores, thread, threads: int, block_row, row_begin, valid_rows, position_begin,
+                     first_page, pages):
+        """Write columns ``[0, pages)`` of a staged (64 rows, staged_pages) block (pages from ``first_page`` on) with
+        ``threads`` threads, consecutive threads on consecutive pages of a row (whole sectors per store), each row
+        only below its local page. ``block_row``: the block's first tile row."""
+        rows_per_pass = threads // self.staged_pages
         column = thread % self.staged_pages
         passes = self.rows_per_consumer_warpgroup // rows_per_pass
         page = first_page + column
         # loads in groups of four so their latencies overlap (all eight at once spill under DSL 4.3.5)
         for group in cutlass.range(0, passes, 4, unroll=1):
-            staged = [sWarpgroupMaxima[(group + i) * rows_per_pass + thread // self.staged_pages, column] for i in range(4)]
+            staged = [sBlock[(group + i) * rows_per_pass + thread // self.staged_pages, column] for i in range(4)]
             for i in cutlass.range_constexpr(4):
                 tile_row = block_row + (group + i) * rows_per_pass + thread // self.staged_pages
-                history = self._local_page(rows.position_begin, tile_row)
-                if column < pages and tile_row < rows.valid_rows and page < history:
-                    mScores[rows.row_begin + tile_row, page] = staged[i]
-        # the next page's maxima may overwrite the block only once every thread has read it
-        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=self.threads_per_warpgroup)
+                history = self._local_page(position_begin, tile_row)
+                if column < pages and tile_row < valid_rows and page < history:
+                    mScores[row_begin + tile_row, page] = staged[i]
+
+    def _page_row_maxima(self, acc):
+        """This thread's two accumulator rows reduced to their page maxima (complete in every lane of the quad)."""
+        values_per_row = cute.size(acc) // 2
+        return (self._quad_max(self._row_max(acc, 0, values_per_row)),
+                self._quad_max(self._row_max(acc, 1, values_per_row)))
 
     @staticmethod
     def _row_max(acc, half: int, values_per_row: int):
