@@ -197,6 +197,7 @@ def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "
     result = dict(case_id=case["case_id"], batch=case["batch_size"], total_q=case["total_q"], max_kv=case["max_final_kv"],
                   weight=case.get("representative_weight") or 0, num_heads=num_heads, slots=slots, tasks=tasks,
                   sm_busy=balance, sm_busy_tile_time=occupancy, task_cost=wrapper.task_plan.shape.task_cost,
+                  task_order=wrapper.task_plan.shape.task_order,
                   backend=wrapper.active_backend, precision=precision, tile_rows=wrapper.task_plan.shape.tile_rows,
                   page_chunk=wrapper.task_plan.shape.page_chunk, host_lengths=host_lengths,
                   topk_lane_list=_backend_setting("TOPK_LANE_LIST_LENGTH"),
@@ -249,7 +250,14 @@ def main(argv=None):
                              "(default: the library's)")
     parser.add_argument("--task-cost", choices=["rows", "tile"], default=None,
                         help="planner: a task costs its valid rows x pages, or its tile's (default: the library's)")
+    parser.add_argument("--task-order", choices=["buckets", "snake"], default=None,
+                        help="planner: tasks heaviest bucket first, or by exact cost with every second wave reversed "
+                             "(default: the library's)")
     args = parser.parse_args(argv)
+    if args.task_order:
+        from . import planner
+
+        planner.DEFAULT_TASK_ORDER = args.task_order
     if args.task_cost:
         from . import planner
 

@@ -32,10 +32,13 @@ __all__ = [
     "DEFAULT_CHUNK_POLICY",
     "TASK_COSTS",
     "DEFAULT_TASK_COST",
+    "TASK_ORDERS",
+    "DEFAULT_TASK_ORDER",
     "PlanError",
     "PlanShape",
     "TaskPlan",
     "plan_shape",
+    "snake_slots",
     "build_task_plan",
     "decode_descriptors",
     "describe_plan_errors",
@@ -57,12 +60,19 @@ DEFAULT_CHUNK_POLICY = "balanced"
 measured on the H200 (docs/PERFORMANCE.md): 373 vs 379 µs scores, 409 vs 430 µs run on the weighted cases at H = 4.
 ``fill_sms``: split each tile's history so that the plan has about one task per SM."""
 TASK_COSTS = ("rows", "tile")
-DEFAULT_TASK_COST = "rows"
+DEFAULT_TASK_COST = "tile"
 """What a task costs in the ``balanced`` model and in the heavy-first order: ``rows``: its valid rows x pages (the
 useful work); ``tile``: its tile's rows x pages, which is what the score kernel spends (every consumer warpgroup
 computes its whole 64-row block, valid rows or not), so a partial tile's tasks weigh as much as a full tile's.
-``tile`` predicts shorter real makespans for short queries and batches with partial tiles (docs/PERFORMANCE.md,
-session 7); opt-in until measured on the GPU."""
+With the ``snake`` order, ``tile`` measured 3.5 % faster than ``rows`` with ``buckets`` on the quick H = 4 run and
+3.6 % on the whole suite at H = 1 (docs/PERFORMANCE.md, session 8)."""
+TASK_ORDERS = ("buckets", "snake")
+DEFAULT_TASK_ORDER = "snake"
+"""How the tasks are laid out for the kernel's static round robin (CTA ``c`` runs tasks ``c, c + grid, ...``).
+``buckets``: heaviest bucket first (below), chunk-major inside a bucket. ``snake``: by exact cost, heaviest first
+(ties chunk-major), with every second full wave of ``num_sms`` tasks reversed, so a CTA that drew one of a wave's
+heavier tasks draws one of the next wave's lighter ones. Measured on the H200 (docs/PERFORMANCE.md, session 8):
+with ``tile`` costs, quick H = 4 run 358.7 -> 346.2 µs (scores 331.6 -> 309.3), whole suite at H = 1 99.6 -> 96.0 µs."""
 _TASK_OVERHEAD_PAGES = 2  # per-task cost (Q tile load, pipeline fill and drain) in pages of work, for the model
 BALANCED_MIN_PAGE_CHUNK = 2
 """Short queries over long contexts may need chunks below ``MIN_PAGE_CHUNK`` to give every SM a task."""
@@ -122,18 +132,19 @@ class PlanShape:
     page_chunk: int
     chunks_per_tile_capacity: int
     task_capacity: int
-    task_cost: str = "rows"  # TASK_COSTS: what orders the tasks heaviest first
+    task_cost: str = "tile"  # TASK_COSTS: what orders the tasks heaviest first
+    task_order: str = "snake"  # TASK_ORDERS: how the tasks are laid out for the round robin
 
 
 @dataclass
 class TaskPlan:
-    """Device tensors of a plan. ``descriptors[:num_tasks]`` are the tasks, heaviest bucket first."""
+    """Device tensors of a plan. ``descriptors[:num_tasks]`` are the tasks, in the shape's ``task_order``."""
 
     shape: PlanShape
     num_valid_pages: torch.Tensor  # [total_q * H] int32
     descriptors: torch.Tensor  # [task_capacity, 4] int32
     num_tasks: torch.Tensor  # [1] int32
-    bucket_offsets: torch.Tensor  # [NUM_BUCKETS + 1] int32, bucket NUM_BUCKETS - 1 first
+    bucket_offsets: torch.Tensor  # [NUM_BUCKETS + 1] int32, bucket NUM_BUCKETS - 1 first (task counts per bucket)
     error_flags: torch.Tensor  # [1] int32, PlanError bits
 
 
@@ -150,6 +161,7 @@ def plan_shape(
     chunk_policy: Optional[str] = None,
     request_lengths: Optional[Sequence[Tuple[int, int]]] = None,
     task_cost: Optional[str] = None,
+    task_order: Optional[str] = None,
 ) -> PlanShape:
     """Capacities of the plan. Python ints throughout, so nothing overflows; limits raise ValueError.
 
@@ -157,7 +169,8 @@ def plan_shape(
     ``request_lengths``: ``(query tokens, context tokens)`` per request as host ints, when the caller has them;
     the ``balanced`` chunk model then uses them instead of modelling every request at ``max_seqlen_q`` tokens
     after ``max_seqlen_k`` of context. Only the page chunk depends on them (capacities come from the bounds), so
-    the plan is correct whatever they say. ``task_cost``: ``TASK_COSTS`` (default ``DEFAULT_TASK_COST``).
+    the plan is correct whatever they say. ``task_cost``: ``TASK_COSTS`` (default ``DEFAULT_TASK_COST``);
+    ``task_order``: ``TASK_ORDERS`` (default ``DEFAULT_TASK_ORDER``).
     """
     if tile_rows is None:
         tile_rows = max(1, DEFAULT_TILE_ROWS // num_heads) * num_heads
@@ -182,6 +195,9 @@ def plan_shape(
     task_cost = task_cost or DEFAULT_TASK_COST
     if task_cost not in TASK_COSTS:
         raise ValueError(f"task_cost must be one of {TASK_COSTS}, got {task_cost!r}")
+    task_order = task_order or DEFAULT_TASK_ORDER
+    if task_order not in TASK_ORDERS:
+        raise ValueError(f"task_order must be one of {TASK_ORDERS}, got {task_order!r}")
     # fill_sms: enough chunks per tile that even a few q tiles give every SM a task
     chunks_per_tile_target = max(1, -(-num_sms // max(1, q_tile_capacity)))
     page_chunk = min(MAX_PAGE_CHUNK, max(MIN_PAGE_CHUNK, max_history_pages // chunks_per_tile_target))
@@ -194,7 +210,8 @@ def plan_shape(
         # the model depends on whole pages, so contexts rounded up to a page keep the memo valid for a page's
         # worth of decode steps
         requests = tuple((q_len, -(-kv_len // page_size) * page_size) for q_len, kv_len in requests if q_len > 0)
-        page_chunk = _balanced_page_chunk(requests, page_size, tile_tokens, num_heads, num_sms, task_cost) or page_chunk
+        page_chunk = _balanced_page_chunk(requests, page_size, tile_tokens, num_heads, num_sms, task_cost,
+                                          task_order) or page_chunk
     chunks_per_tile_capacity = -(-max_history_pages // page_chunk)
     task_capacity = q_tile_capacity * chunks_per_tile_capacity
     if task_capacity > _INT32_MAX:
@@ -216,6 +233,7 @@ def plan_shape(
         chunks_per_tile_capacity=chunks_per_tile_capacity,
         task_capacity=task_capacity,
         task_cost=task_cost,
+        task_order=task_order,
     )
 
 
@@ -228,8 +246,10 @@ def modelled_requests(total_q: int, max_seqlen_q: int, max_seqlen_k: int) -> tup
 
 
 @functools.lru_cache(maxsize=256)
-def _balanced_page_chunk(requests: tuple, page_size, tile_tokens, num_heads, num_sms, task_cost: str = "rows") -> int:
-    """The chunk minimising the predicted makespan of the kernel's static round robin over heavy-first tasks.
+def _balanced_page_chunk(requests: tuple, page_size, tile_tokens, num_heads, num_sms, task_cost: str = "rows",
+                         task_order: str = "buckets") -> int:
+    """The chunk minimising the predicted makespan of the kernel's static round robin over heavy-first tasks
+    (laid out as ``task_order`` does it, the buckets modelled as an exact sort).
 
     ``requests``: ``(query tokens, context tokens)`` per request, host ints (no device data). A task of ``r`` rows
     (valid rows, or the tile's with ``task_cost="tile"``) and ``p`` pages costs ``r * (p + overhead)``; ties go to
@@ -257,11 +277,24 @@ def _balanced_page_chunk(requests: tuple, page_size, tile_tokens, num_heads, num
         index_in_tile = torch.arange(int(chunks.sum())) - first.repeat_interleave(chunks)
         pages = (history.repeat_interleave(chunks) - index_in_tile * chunk).clamp(max=chunk)
         work = torch.sort((task_rows * (pages + _TASK_OVERHEAD_PAGES)).double(), descending=True).values
-        per_cta = torch.zeros(num_sms, dtype=torch.float64).index_add_(0, torch.arange(work.numel()) % num_sms, work)
+        slots = torch.arange(work.numel())
+        if task_order == "snake":
+            slots = snake_slots(slots, work.numel(), num_sms)
+        per_cta = torch.zeros(num_sms, dtype=torch.float64).index_add_(0, slots % num_sms, work)
         makespan = float(per_cta.max())
         if best is None or makespan <= best[0]:
             best = (makespan, chunk)
     return None if best is None else best[1]
+
+
+def snake_slots(ranks: torch.Tensor, count, num_ctas: int) -> torch.Tensor:
+    """Where the task of rank ``ranks`` (0 = heaviest) of ``count`` goes in the ``snake`` layout: every odd wave of
+    ``num_ctas`` tasks is reversed when it is full (a partial last wave keeps its order: the round robin gives it to
+    the first CTAs whatever the layout). ``count`` may be a device tensor; ranks at or beyond it stay in place."""
+    wave = ranks // num_ctas
+    lane = ranks % num_ctas
+    reversed_wave = (wave % 2 == 1) & ((wave + 1) * num_ctas <= count)
+    return wave * num_ctas + torch.where(reversed_wave, num_ctas - 1 - lane, lane)
 
 
 def allocate_task_plan(shape: PlanShape, device: torch.device) -> TaskPlan:
@@ -317,10 +350,22 @@ def build_task_plan(
     rows = tile_tokens[task_tile] * shape.num_heads if shape.task_cost == "rows" else shape.tile_rows
     bucket = _bucket_of(rows * page_count)
 
-    # Heaviest bucket first; inside a bucket, chunk-major so concurrent CTAs stream the same K pages.
-    order_key = (NUM_BUCKETS - 1 - bucket) * (shape.chunks_per_tile_capacity + 1) + task_chunk
-    order_key = torch.where(task_valid, order_key, NUM_BUCKETS * (shape.chunks_per_tile_capacity + 1))
+    # Heaviest first (by bucket, or by exact cost for the snake); ties chunk-major so concurrent CTAs stream the
+    # same K pages.
+    if shape.task_order == "snake":
+        cost = rows * (page_count + _TASK_OVERHEAD_PAGES)
+        heaviest_cost = shape.tile_rows * (shape.page_chunk + _TASK_OVERHEAD_PAGES)
+        rank_key = heaviest_cost - cost
+        invalid_key = heaviest_cost + 1
+    else:
+        rank_key = NUM_BUCKETS - 1 - bucket
+        invalid_key = NUM_BUCKETS
+    order_key = rank_key * (shape.chunks_per_tile_capacity + 1) + task_chunk
+    order_key = torch.where(task_valid, order_key, invalid_key * (shape.chunks_per_tile_capacity + 1))
     order = torch.sort(order_key, stable=True).indices
+    if shape.task_order == "snake":
+        slots = snake_slots(torch.arange(shape.task_capacity, device=device), task_end[-1], shape.num_sms)
+        order = torch.empty_like(order).scatter_(0, slots, order)
     tile_of_task = task_tile[order]
     packed = (
         page_begin[order]

@@ -63,3 +63,14 @@ def test_task_cost_option_switches_the_planner_model(monkeypatch):
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             bench.main(["--quick", "--task-cost", value])
         assert planner.DEFAULT_TASK_COST == value
+
+
+def test_task_order_option_switches_the_planner_layout(monkeypatch):
+    from indexer import planner
+
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    for value in ("snake", "buckets"):
+        monkeypatch.setattr(planner, "DEFAULT_TASK_ORDER", "unset")
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            bench.main(["--quick", "--task-order", value])
+        assert planner.DEFAULT_TASK_ORDER == value
