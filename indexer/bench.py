@@ -203,6 +203,7 @@ def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "
                   topk_lane_list=_backend_setting("TOPK_LANE_LIST_LENGTH"),
                   issue_ring=_backend_setting("SCORE_ISSUE_RING"),
                   store_warp=_backend_setting("SCORE_STORE_WARP"),
+                  tma_stores=_backend_setting("SCORE_TMA_STORES"),
                   useful_flops=useful_flops(lengths, num_heads))
     result["scores_ms"], result["scores_cv"] = time_graphs(scores_only)
     result["run_ms"], result["run_cv"] = time_graphs(runs)
@@ -248,6 +249,9 @@ def main(argv=None):
     parser.add_argument("--store-warp", choices=["on", "off"], default=None,
                         help="score kernel (256-row tiles): a producer-side warp writes the staged row maxima out "
                              "(default: the library's)")
+    parser.add_argument("--tma-stores", choices=["on", "off"], default=None,
+                        help="score kernel (256-row tiles): whole staged blocks of row maxima leave by TMA stores "
+                             "(default: the library's)")
     parser.add_argument("--task-cost", choices=["rows", "tile"], default=None,
                         help="planner: a task costs its valid rows x pages, or its tile's (default: the library's)")
     parser.add_argument("--task-order", choices=["buckets", "snake"], default=None,
@@ -262,6 +266,10 @@ def main(argv=None):
         from . import planner
 
         planner.DEFAULT_TASK_COST = args.task_cost
+    if args.tma_stores:
+        from . import cute_backend
+
+        cute_backend.SCORE_TMA_STORES = args.tma_stores == "on"
     if args.store_warp:
         from . import cute_backend
 

@@ -33,6 +33,11 @@ SCORE_STORE_WARP = False
 warpgroups (``PageScoreKernelSm90(store_warp=True)``); the scores are the same bit for bit. Opt-in until measured
 (docs/STATUS.md)."""
 
+SCORE_TMA_STORES = True
+"""256-row tiles: whole staged blocks of row maxima leave by TMA stores (``PageScoreKernelSm90(tma_stores=True)``)
+when the score buffer allows it (16-byte aligned base, row pitch a multiple of 4 floats); the scores are the same bit
+for bit. Chosen by measurement (docs/PERFORMANCE.md, session 8)."""
+
 TOPK_LANE_LIST_LENGTH = 4
 """Keys per lane in the top-k kernel's fast path (4), or None for the exhaustive path only; the result is the same
 bit for bit, the speed differs (docs/PERFORMANCE.md)."""
@@ -101,26 +106,31 @@ class PageScoreRunner:
         arguments = (
             as_cute_tensor(q.view(q.shape[0] * q.shape[1], q.shape[2]), leading_dim=1, align=16, fp8=fp8),
             as_cute_tensor(k_pages.permute(1, 2, 0), leading_dim=1, align=16, fp8=fp8),
-            as_cute_tensor(scores, leading_dim=1, align=4),
+            as_cute_tensor(scores, leading_dim=1, align=16 if self._tma_stores(scores) else 4),
             as_cute_tensor(block_table, leading_dim=1, align=4),
             as_cute_tensor(descriptors, leading_dim=1, align=16),
             as_cute_tensor(num_tasks, leading_dim=0, align=4),
         )
         stream = cute_stream()
-        kernel = self._compiled(arguments, stream)
+        kernel = self._compiled(arguments, stream, self._tma_stores(scores))
         kernel(*arguments, self.num_ctas, stream)
 
-    def _compiled(self, arguments, stream):
+    def _tma_stores(self, scores: torch.Tensor) -> bool:
+        """Whether this launch takes the TMA-store variant: its score buffer must meet TMA's global alignment rules."""
+        return (SCORE_TMA_STORES and self.consumer_warpgroups == 4 and not SCORE_STORE_WARP
+                and scores.data_ptr() % 16 == 0 and (scores.shape[0] <= 1 or scores.stride(0) % 4 == 0))
+
+    def _compiled(self, arguments, stream, tma_stores: bool):
         from .kernels.score_sm90 import PageScoreKernelSm90
 
         issue_ring = SCORE_ISSUE_RING if self.consumer_warpgroups == 4 else None
         store_warp = SCORE_STORE_WARP and self.consumer_warpgroups == 4
         key = ("page_scores_sm90", self.num_heads, self.consumer_warpgroups, self.exact, issue_ring, store_warp,
-               self.num_ctas, dsl_version())
+               tma_stores, self.num_ctas, dsl_version())
         return compile_once(
             key,
             lambda: PageScoreKernelSm90(self.num_heads, consumer_warpgroups=self.consumer_warpgroups, exact=self.exact,
-                                        issue_ring=issue_ring, store_warp=store_warp),
+                                        issue_ring=issue_ring, store_warp=store_warp, tma_stores=tma_stores),
             (*arguments, self.num_ctas, stream),
         )
 

@@ -195,9 +195,11 @@ class BatchPrefillIndexerQ8KV8Wrapper:
         self._backend_choice = choice
         self._kernel_backend = choice.name == "cute"
         self._validate = validate
-        self._scores = score_out if score_out is not None else torch.empty(
-            total_q * self.num_heads, shape.max_pages, dtype=torch.float32, device=device
-        )
+        if score_out is None:
+            # a row pitch of whole 16-byte units lets the score kernel write whole blocks by TMA
+            pitch = -(-shape.max_pages // 4) * 4
+            score_out = torch.empty(total_q * self.num_heads, pitch, dtype=torch.float32, device=device)[:, : shape.max_pages]
+        self._scores = score_out
         self._topk_out = None
 
     def replan(self) -> None:

@@ -121,10 +121,11 @@ class PageSelector:
         starts = metadata.query_starts + [metadata.total_tokens]
         max_kv = max(metadata.kv_lengths)
         pages = -(-max_kv // self.config.index_block_size)
+        pitch = -(-pages // 4) * 4  # whole 16-byte units: the indexer's score kernel then writes blocks by TMA
         rows = metadata.total_tokens * self.config.index_n_heads
         storage = self._score_storage.get(device)
-        if storage is None or storage.numel() < rows * pages:
-            capacity = max(rows * pages, 2 * (0 if storage is None else storage.numel()))
+        if storage is None or storage.numel() < rows * pitch:
+            capacity = max(rows * pitch, 2 * (0 if storage is None else storage.numel()))
             storage = torch.empty(capacity, dtype=torch.float32, device=device)
             self._score_storage[device] = storage
         wrapper.plan(
@@ -134,7 +135,7 @@ class PageSelector:
             total_q=metadata.total_tokens,
             max_seqlen_q=max(max(metadata.query_lengths), 1),
             max_seqlen_k=max_kv,
-            score_out=storage[: rows * pages].view(rows, pages),
+            score_out=storage[: rows * pitch].view(rows, pitch)[:, :pages],
             request_lengths=self._request_lengths(metadata),
         )
 

@@ -131,6 +131,33 @@ def test_store_warp_writes_the_same_scores(num_heads, monkeypatch):
 
 
 @pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
+@pytest.mark.parametrize("num_heads", [1, 2, 4])
+def test_tma_stores_write_the_same_scores_and_nothing_else(num_heads, monkeypatch):
+    """Whole staged blocks leave by TMA stores when the buffer allows it (16-byte pitch): the same scores bit for bit
+    as the masked write-out, the same columns written, the wide pitch's padding untouched; an odd pitch takes the
+    masked write-out (tasks of 1 to hundreds of pages, partial and diagonal blocks, partial tiles)."""
+    from indexer import cute_backend
+
+    case = make_case([(700, 9000), (64, 20000), (1, 129), (300, 300), (129, 4000), (2048, 2100)], num_heads=num_heads,
+                     seed=17)
+    cols = case.block_table.shape[1]
+    aligned_extra = 4 + (-cols) % 4
+    for pitch_extra, tma_expected in ((aligned_extra, True), (aligned_extra + 1, False)):
+        scores = {}
+        for tma_stores in (False, True):
+            monkeypatch.setattr(cute_backend, "SCORE_TMA_STORES", tma_stores)
+            cute_backend._compiled.clear()
+            results, _, _ = run_both(case, num_heads, pitch_extra=pitch_extra)
+            scores[tma_stores] = results["cute"][1]
+            used = {key[6] for key in cute_backend._compiled if key[0] == "page_scores_sm90"}
+            assert used == {tma_stores and tma_expected}
+        reference = results["torch"][1]
+        assert torch.equal(scores[True].isnan(), reference.isnan()), "exactly the columns p < L, padding untouched"
+        assert torch.equal(scores[False].isnan(), scores[True].isnan())
+        assert torch.equal(scores[False].nan_to_num(), scores[True].nan_to_num())
+
+
+@pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
 def test_fp8_selection_is_right_up_to_the_fp8_error_bound():
     case = make_case([(2000, 30000), (300, 12000)], num_heads=4, seed=7)
     results, _, _ = run_both(case, 4)

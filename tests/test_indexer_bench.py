@@ -74,3 +74,14 @@ def test_task_order_option_switches_the_planner_layout(monkeypatch):
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             bench.main(["--quick", "--task-order", value])
         assert planner.DEFAULT_TASK_ORDER == value
+
+
+def test_tma_stores_option_switches_the_score_kernel_variant(monkeypatch):
+    from indexer import cute_backend
+
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    for value, expected in (("off", False), ("on", True)):
+        monkeypatch.setattr(cute_backend, "SCORE_TMA_STORES", "unset")
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            bench.main(["--quick", "--tma-stores", value])
+        assert cute_backend.SCORE_TMA_STORES is expected

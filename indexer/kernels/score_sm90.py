@@ -21,12 +21,21 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import dsl_user_op
 from .pipelines import make_tma_pipeline
 
 from ..planner import PAGE_BEGIN_MASK, PAGE_COUNT_MASK, PAGE_COUNT_SHIFT, TOKENS_MASK, TOKENS_SHIFT, DescriptorWord
 
 __all__ = ["PageScoreKernelSm90"]
+
+
+@dsl_user_op
+def fence_view_async_shared(*, loc=None, ip=None):
+    """Make this thread's shared-memory writes visible to the async proxy (a TMA store that reads them next)."""
+    llvm.inline_asm(None, [], "fence.proxy.async.shared::cta;", "", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 class TaskDescriptor(NamedTuple):
@@ -109,6 +118,7 @@ class PageScoreKernelSm90:
         staged_stores: Optional[bool] = None,
         staged_pages: int = 16,
         store_warp: bool = False,
+        tma_stores: bool = False,
     ):
         """``consumer_warpgroups`` = 2: 128-row tiles, each warpgroup overlaps its own wgmma and
         reduction with two accumulators (pages in pairs). 3: 192-row tiles, pages in pairs as with 2,
@@ -138,7 +148,16 @@ class PageScoreKernelSm90:
         ``store_warp`` (with ``staged_stores``): the consumer warpgroups only fill the staging blocks, double
         buffered, and hand them (one mbarrier pair per warpgroup and buffer) to warp 1 of the producer
         warpgroup, which replays the task schedule and writes them out, so the write-out leaves the consumers'
-        critical path. Opt-in until measured. ``staged_pages`` (8 or 16): the pages of one staging block.
+        critical path. Measured 19-45 % slower (docs/PERFORMANCE.md, session 8). ``staged_pages`` (8 or 16): the
+        pages of one staging block.
+
+        ``tma_stores`` (with ``staged_stores``): a staging block whose rows all lie inside the tile and whose pages
+        all lie before each of its rows' local page (every block but the diagonal one and a task's partial last
+        block) is written by one TMA store (``cp.async.bulk.tensor``, shared -> global) issued by one thread, instead
+        of the warpgroup's loads and stores; the other blocks keep the masked write-out. The staging blocks are
+        double buffered, so each flush costs one warpgroup barrier. Needs a score buffer whose base is 16-byte
+        aligned and whose row pitch is a multiple of 4 floats (TMA's global-stride rule): the host picks this
+        variant only then.
         """
         if num_heads not in (1, 2, 4):
             raise ValueError(f"num_heads must be 1, 2 or 4, got {num_heads}")
@@ -171,7 +190,10 @@ class PageScoreKernelSm90:
         if store_warp and not staged_stores:
             raise ValueError("store_warp writes the staged maxima out: it needs staged_stores")
         self.store_warp = store_warp
-        self.maxima_buffers = 2 if store_warp else 1
+        if tma_stores and (not staged_stores or store_warp):
+            raise ValueError("tma_stores writes the consumers' staged blocks: it needs staged_stores and no store_warp")
+        self.tma_stores = tma_stores
+        self.maxima_buffers = 2 if store_warp or tma_stores else 1
         self.num_heads = num_heads
         self.num_consumer_warpgroups = consumer_warpgroups
         self.paired_pages = consumer_warpgroups in (2, 3)
@@ -199,8 +221,9 @@ class PageScoreKernelSm90:
     def _staged_maxima_layout(self):
         # (64 rows, staged_pages, buffer, consumer warpgroup); rows padded by one float so the writer lanes' rows fall
         # in distinct banks
+        # (TMA stores read a dense block: no padding there; the writers' 4-way conflict is two stores per page)
         rows = self.rows_per_consumer_warpgroup
-        pitch = self.staged_pages + 1
+        pitch = self.staged_pages + (0 if self.tma_stores else 1)
         block = rows * pitch
         return cute.make_layout((rows, self.staged_pages, self.maxima_buffers, self.num_consumer_warpgroups),
                                 stride=(pitch, 1, block, block * self.maxima_buffers))
@@ -208,7 +231,7 @@ class PageScoreKernelSm90:
     def _staged_maxima_floats(self) -> int:
         if not self.staged_stores:
             return 4  # unused
-        return (self.rows_per_consumer_warpgroup * (self.staged_pages + 1) * self.maxima_buffers
+        return (self.rows_per_consumer_warpgroup * (self.staged_pages + (0 if self.tma_stores else 1)) * self.maxima_buffers
                 * self.num_consumer_warpgroups)
 
     def _smem_layout(self, rows: int, stages: int):
@@ -247,6 +270,12 @@ class PageScoreKernelSm90:
         tma_atom_k, mK_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mK, cute.slice_(sK_layout, (None, None, 0)), (self.page_size, self.head_dim)
         )
+        tma_atom_scores, mScores_tma = None, None
+        if cutlass.const_expr(self.tma_stores):
+            block_layout = cute.slice_(self._staged_maxima_layout(), (None, None, 0, 0))
+            tma_atom_scores, mScores_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mScores, block_layout, (self.rows_per_consumer_warpgroup, self.staged_pages)
+            )
 
         @cute.struct
         class SharedStorage:
@@ -255,7 +284,7 @@ class PageScoreKernelSm90:
             maxima_barriers: cute.struct.MemRange[cutlass.Int64, self.maxima_buffers * self.num_consumer_warpgroups * 2]
             sQ: cute.struct.Align[cute.struct.MemRange[self.operand_dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.operand_dtype, cute.cosize(sK_layout)], 1024]
-            sMaxima: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self._staged_maxima_floats()], 16]
+            sMaxima: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self._staged_maxima_floats()], 128]
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -264,6 +293,8 @@ class PageScoreKernelSm90:
             tma_atom_k,
             mK_tma,
             mScores,
+            tma_atom_scores,
+            mScores_tma,
             mBlockTable,
             mDescriptors,
             mNumTasks,
@@ -285,6 +316,8 @@ class PageScoreKernelSm90:
         tma_atom_k: cute.CopyAtom,
         mK: cute.Tensor,
         mScores: cute.Tensor,
+        tma_atom_scores: Optional[cute.CopyAtom],
+        mScores_tma: Optional[cute.Tensor],
         mBlockTable: cute.Tensor,
         mDescriptors: cute.Tensor,
         mNumTasks: cute.Tensor,
@@ -331,8 +364,8 @@ class PageScoreKernelSm90:
                                              cta_idx, num_ctas, num_tasks)
         else:
             cute.arch.warpgroup_reg_alloc(self.consumer_registers)
-            self.score(tiled_mma, sQ, sK, sMaxima, maxima_barriers, mScores, mDescriptors, q_pipeline, k_pipeline,
-                       tidx - self.threads_per_warpgroup, cta_idx, num_ctas, num_tasks)
+            self.score(tiled_mma, sQ, sK, sMaxima, maxima_barriers, mScores, tma_atom_scores, mScores_tma, mDescriptors,
+                       q_pipeline, k_pipeline, tidx - self.threads_per_warpgroup, cta_idx, num_ctas, num_tasks)
 
     def _ring(self, barriers, stages: int, stage_bytes: int):
         consumer_warps = self.num_consumer_warpgroups * self.threads_per_warpgroup // 32
@@ -382,8 +415,8 @@ class PageScoreKernelSm90:
         k_pipeline.producer_tail(k_state)
 
     @cute.jit
-    def score(self, tiled_mma, sQ, sK, sMaxima, maxima_barriers, mScores, mDescriptors, q_pipeline, k_pipeline,
-              consumer_tidx, cta_idx, num_ctas, num_tasks):
+    def score(self, tiled_mma, sQ, sK, sMaxima, maxima_barriers, mScores, tma_atom_scores, mScores_tma, mDescriptors,
+              q_pipeline, k_pipeline, consumer_tidx, cta_idx, num_ctas, num_tasks):
         thr_mma = tiled_mma.get_slice(consumer_tidx)
         tSrQ = tiled_mma.make_fragment_A(thr_mma.partition_A(sQ))
         tSrK = tiled_mma.make_fragment_B(thr_mma.partition_B(sK))
@@ -395,6 +428,7 @@ class PageScoreKernelSm90:
         k_read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.k_stages)
         k_release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.k_stages)
         maxima_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.maxima_buffers)
+        staging_buffer = cutlass.Int32(0)  # tma_stores: the double-buffered block this warpgroup fills
         consumer_warpgroup = cute.arch.make_warp_uniform(consumer_tidx // self.threads_per_warpgroup)
         if cutlass.const_expr(self.issue_ring is not None):
             # the last warpgroup hands the first one its first token
@@ -455,6 +489,15 @@ class PageScoreKernelSm90:
                             cute.arch.mbarrier_arrive(
                                 self._maxima_barrier(maxima_barriers, consumer_warpgroup, maxima_state.index, empty=False))
                             maxima_state = self._advanced(maxima_state)
+                    elif cutlass.const_expr(self.tma_stores):
+                        slot = page_offset % self.staged_pages
+                        self._stage_page(acc, rows, sMaxima[None, None, staging_buffer, consumer_warpgroup],
+                                         consumer_warpgroup, slot)
+                        if slot == self.staged_pages - 1 or page_offset == page_count - 1:
+                            self._flush_staged_maxima(sMaxima[None, None, staging_buffer, consumer_warpgroup], rows,
+                                                      mScores, tma_atom_scores, mScores_tma, consumer_warpgroup,
+                                                      page_begin + page_offset - slot, slot + 1)
+                            staging_buffer = 1 - staging_buffer
                     elif cutlass.const_expr(self.staged_stores):
                         slot = page_offset % self.staged_pages
                         self._stage_page(acc, rows, sMaxima[None, None, 0, consumer_warpgroup], consumer_warpgroup, slot)
@@ -469,6 +512,9 @@ class PageScoreKernelSm90:
             # every warpgroup issued as many pages; the last one's final token is still pending
             if consumer_warpgroup == 0:
                 self._wait_issue_token(consumer_warpgroup)
+        if cutlass.const_expr(self.tma_stores):
+            if consumer_tidx % self.threads_per_warpgroup == 0:
+                cute.arch.cp_async_bulk_wait_group(0)  # shared memory must outlive the last store's reads
 
     def _local_page(self, position_begin, tile_row):
         """L of a tile row: its token's local page, so pages [0, L) are its history (trace-time helper)."""
@@ -598,6 +644,35 @@ class PageScoreKernelSm90:
                           rows.position_begin, first_page, pages)
         # the next page's maxima may overwrite the block only once every thread has read it
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=self.threads_per_warpgroup)
+
+    @cute.jit
+    def _flush_staged_maxima(self, sBlock, rows, mScores, tma_atom_scores, mScores_tma, consumer_warpgroup, first_page,
+                             pages):
+        """Write the staged ``pages`` columns of the warpgroup's 64 rows: one TMA store when the block is whole
+        (every row inside the tile, every page before every row's local page), else the masked write-out. The
+        block's buffer is refilled two flushes later; the barrier here also tells every thread that the store
+        issued from the other buffer one flush ago has finished reading it."""
+        thread = rows.tidx % self.threads_per_warpgroup
+        block_row = consumer_warpgroup * self.rows_per_consumer_warpgroup
+        fence_view_async_shared()
+        if thread == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=int(NamedBarrier.STAGED_MAXIMA) + consumer_warpgroup,
+                          number_of_threads=self.threads_per_warpgroup)
+        # rows' local pages grow with the row, so the block's first row has the smallest
+        whole = ((pages == self.staged_pages) & (block_row + self.rows_per_consumer_warpgroup <= rows.valid_rows)
+                 & (first_page + pages <= self._local_page(rows.position_begin, block_row)))
+        if whole:
+            if thread == 0:
+                gBlock = cute.local_tile(cute.domain_offset((rows.row_begin + block_row, first_page), mScores_tma),
+                                         (self.rows_per_consumer_warpgroup, self.staged_pages), (0, 0))
+                tSsS, tSgS = cpasync.tma_partition(tma_atom_scores, 0, cute.make_layout(1), cute.group_modes(sBlock, 0, 2),
+                                                   cute.group_modes(gBlock, 0, 2))
+                cute.copy(tma_atom_scores, tSsS, tSgS)
+                cute.arch.cp_async_bulk_commit_group()
+        else:
+            self._write_block(sBlock, mScores, thread, self.threads_per_warpgroup, block_row, rows.row_begin,
+                              rows.valid_rows, rows.position_begin, first_page, pages)
 
     @cute.jit
     def _write_block(self, sBlock, mScores, thread, threads: int, block_row, row_begin, valid_rows, position_begin,

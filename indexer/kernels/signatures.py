@@ -18,13 +18,15 @@ def _dynamic(divisibility: int = 1):
     return cute.sym_int64(divisibility=divisibility)
 
 
-def score_kernel_fake_arguments(exact: bool = False):
-    """Fake (compile-time) tensors for ``PageScoreKernelSm90.__call__``, in its argument order."""
+def score_kernel_fake_arguments(exact: bool = False, tma_stores: bool = False):
+    """Fake (compile-time) tensors for ``PageScoreKernelSm90.__call__``, in its argument order. ``tma_stores``: the
+    score buffer as that variant needs it (16-byte aligned base, as the host converts it)."""
     operand = cutlass.BFloat16 if exact else cutlass.Float8E4M3FN
     page_stride_divisibility = 8 if exact else 16  # 16 bytes
     q = make_fake_tensor(operand, (cute.sym_int32(), 128), (128, 1), assumed_align=16)
     k = make_fake_tensor(operand, (128, 128, cute.sym_int32()), (128, 1, _dynamic(page_stride_divisibility)), assumed_align=16)
-    scores = make_fake_tensor(cutlass.Float32, (cute.sym_int32(), cute.sym_int32()), (_dynamic(), 1), assumed_align=4)
+    scores = make_fake_tensor(cutlass.Float32, (cute.sym_int32(), cute.sym_int32()), (_dynamic(), 1),
+                              assumed_align=16 if tma_stores else 4)
     block_table = make_fake_tensor(cutlass.Int32, (cute.sym_int32(), cute.sym_int32()), (_dynamic(), 1), assumed_align=4)
     descriptors = make_fake_tensor(cutlass.Int32, (cute.sym_int32(), 4), (4, 1), assumed_align=16)
     num_tasks = make_fake_tensor(cutlass.Int32, (1,), (1,), assumed_align=4)
