@@ -202,7 +202,6 @@ def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "
                   page_chunk=wrapper.task_plan.shape.page_chunk, host_lengths=host_lengths,
                   topk_lane_list=_backend_setting("TOPK_LANE_LIST_LENGTH"),
                   issue_ring=_backend_setting("SCORE_ISSUE_RING"),
-                  store_warp=_backend_setting("SCORE_STORE_WARP"),
                   tma_stores=_backend_setting("SCORE_TMA_STORES"),
                   useful_flops=useful_flops(lengths, num_heads))
     result["scores_ms"], result["scores_cv"] = time_graphs(scores_only)
@@ -246,9 +245,6 @@ def main(argv=None):
                         help="score kernel (256-row tiles): consumer warpgroups issue their wgmmas in turn, passing "
                              "the turn on once committed or once three of four k-blocks are done "
                              "(default: the library's)")
-    parser.add_argument("--store-warp", choices=["on", "off"], default=None,
-                        help="score kernel (256-row tiles): a producer-side warp writes the staged row maxima out "
-                             "(default: the library's)")
     parser.add_argument("--tma-stores", choices=["on", "off"], default=None,
                         help="score kernel (256-row tiles): whole staged blocks of row maxima leave by TMA stores "
                              "(default: the library's)")
@@ -270,10 +266,6 @@ def main(argv=None):
         from . import cute_backend
 
         cute_backend.SCORE_TMA_STORES = args.tma_stores == "on"
-    if args.store_warp:
-        from . import cute_backend
-
-        cute_backend.SCORE_STORE_WARP = args.store_warp == "on"
     if args.issue_ring:
         from . import cute_backend
 

@@ -91,11 +91,6 @@ def variants():
                PageScoreKernelSm90(num_heads, consumer_warpgroups=4, issue_ring=issue_ring),
                (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "e4m3.e4m3")
     for num_heads in (1, 2, 4):
-        q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments()
-        yield (f"page_scores_sm90_h{num_heads}_rows256_store_warp",
-               PageScoreKernelSm90(num_heads, consumer_warpgroups=4, issue_ring="commit", store_warp=True),
-               (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "e4m3.e4m3")
-    for num_heads in (1, 2, 4):
         q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments(tma_stores=True)
         yield (f"page_scores_sm90_h{num_heads}_rows256_tma_stores",
                PageScoreKernelSm90(num_heads, consumer_warpgroups=4, issue_ring="commit", tma_stores=True),

@@ -28,11 +28,6 @@ SCORE_ISSUE_RING = "commit"
 (``PageScoreKernelSm90(issue_ring=...)``), or None; the scores are the same bit for bit. Chosen by measurement
 (docs/PERFORMANCE.md)."""
 
-SCORE_STORE_WARP = False
-"""256-row tiles: a warp of the producer warpgroup writes the staged row maxima out instead of the consumer
-warpgroups (``PageScoreKernelSm90(store_warp=True)``); the scores are the same bit for bit. Opt-in until measured
-(docs/STATUS.md)."""
-
 SCORE_TMA_STORES = True
 """256-row tiles: whole staged blocks of row maxima leave by TMA stores (``PageScoreKernelSm90(tma_stores=True)``)
 when the score buffer allows it (16-byte aligned base, row pitch a multiple of 4 floats); the scores are the same bit
@@ -117,20 +112,18 @@ class PageScoreRunner:
 
     def _tma_stores(self, scores: torch.Tensor) -> bool:
         """Whether this launch takes the TMA-store variant: its score buffer must meet TMA's global alignment rules."""
-        return (SCORE_TMA_STORES and self.consumer_warpgroups == 4 and not SCORE_STORE_WARP
+        return (SCORE_TMA_STORES and self.consumer_warpgroups == 4
                 and scores.data_ptr() % 16 == 0 and (scores.shape[0] <= 1 or scores.stride(0) % 4 == 0))
 
     def _compiled(self, arguments, stream, tma_stores: bool):
         from .kernels.score_sm90 import PageScoreKernelSm90
 
         issue_ring = SCORE_ISSUE_RING if self.consumer_warpgroups == 4 else None
-        store_warp = SCORE_STORE_WARP and self.consumer_warpgroups == 4
-        key = ("page_scores_sm90", self.num_heads, self.consumer_warpgroups, self.exact, issue_ring, store_warp,
-               tma_stores, self.num_ctas, dsl_version())
+        key = ("page_scores_sm90", self.num_heads, self.consumer_warpgroups, self.exact, issue_ring, tma_stores, self.num_ctas, dsl_version())
         return compile_once(
             key,
             lambda: PageScoreKernelSm90(self.num_heads, consumer_warpgroups=self.consumer_warpgroups, exact=self.exact,
-                                        issue_ring=issue_ring, store_warp=store_warp, tma_stores=tma_stores),
+                                        issue_ring=issue_ring, tma_stores=tma_stores),
             (*arguments, self.num_ctas, stream),
         )
 

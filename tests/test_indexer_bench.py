@@ -45,15 +45,6 @@ def test_issue_ring_option_switches_the_score_kernel_schedule(monkeypatch):
         assert cute_backend.SCORE_ISSUE_RING == expected
 
 
-def test_store_warp_option_switches_the_score_kernel_write_out(monkeypatch):
-    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
-    for value, expected in (("on", True), ("off", False)):
-        monkeypatch.setattr(cute_backend, "SCORE_STORE_WARP", "unset")
-        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-            bench.main(["--quick", "--store-warp", value])
-        assert cute_backend.SCORE_STORE_WARP is expected
-
-
 def test_task_cost_option_switches_the_planner_model(monkeypatch):
     from indexer import planner
 

@@ -82,7 +82,7 @@ class RowTargets(NamedTuple):
 class WarpRole(enum.IntEnum):
     """Warpgroup indices inside the CTA."""
 
-    PRODUCER = 0  # its warp 0 issues the TMA loads; with ``store_warp`` its warp 1 writes the staged maxima
+    PRODUCER = 0  # its warp 0 issues the TMA loads
     FIRST_CONSUMER = 1
 
 
@@ -117,7 +117,6 @@ class PageScoreKernelSm90:
         issue_ring: Optional[str] = None,
         staged_stores: Optional[bool] = None,
         staged_pages: int = 16,
-        store_warp: bool = False,
         tma_stores: bool = False,
     ):
         """``consumer_warpgroups`` = 2: 128-row tiles, each warpgroup overlaps its own wgmma and
@@ -145,11 +144,7 @@ class PageScoreKernelSm90:
         which touches 8 sectors per warp): the scattered stores cost ~16 % of the kernel's time on the heavy
         cases (docs/PERFORMANCE.md, session 7).
 
-        ``store_warp`` (with ``staged_stores``): the consumer warpgroups only fill the staging blocks, double
-        buffered, and hand them (one mbarrier pair per warpgroup and buffer) to warp 1 of the producer
-        warpgroup, which replays the task schedule and writes them out, so the write-out leaves the consumers'
-        critical path. Measured 19-45 % slower (docs/PERFORMANCE.md, session 8). ``staged_pages`` (8 or 16): the
-        pages of one staging block.
+        ``staged_pages`` (8 or 16): the pages of one staging block.
 
         ``tma_stores`` (with ``staged_stores``): a staging block whose rows all lie inside the tile and whose pages
         all lie before each of its rows' local page (every block but the diagonal one and a task's partial last
@@ -157,7 +152,8 @@ class PageScoreKernelSm90:
         of the warpgroup's loads and stores; the other blocks keep the masked write-out. The staging blocks are
         double buffered, so each flush costs one warpgroup barrier. Needs a score buffer whose base is 16-byte
         aligned and whose row pitch is a multiple of 4 floats (TMA's global-stride rule): the host picks this
-        variant only then.
+        variant only then. (A producer-side store warp that wrote the blocks out instead was 19-45 % slower and was
+        removed: docs/PERFORMANCE.md, session 8.)
         """
         if num_heads not in (1, 2, 4):
             raise ValueError(f"num_heads must be 1, 2 or 4, got {num_heads}")
@@ -169,7 +165,7 @@ class PageScoreKernelSm90:
         self.operand_dtype = cutlass.BFloat16 if exact else cutlass.Float8E4M3FN
         operand_bytes = 2 if exact else 1
         if k_stages is None:
-            k_stages = 4 if exact else (7 if store_warp else 8)  # the store warp's second buffer takes a K stage's room
+            k_stages = 4 if exact else 8
         if not 2 <= k_stages <= 12:
             raise ValueError(f"k_stages must lie in [2, 12], got {k_stages}")
         if q_stages not in (1, 2):
@@ -187,13 +183,10 @@ class PageScoreKernelSm90:
         if staged_pages not in (8, 16):
             raise ValueError(f"staged_pages must be 8 or 16, got {staged_pages}")
         self.staged_pages = staged_pages
-        if store_warp and not staged_stores:
-            raise ValueError("store_warp writes the staged maxima out: it needs staged_stores")
-        self.store_warp = store_warp
-        if tma_stores and (not staged_stores or store_warp):
-            raise ValueError("tma_stores writes the consumers' staged blocks: it needs staged_stores and no store_warp")
+        if tma_stores and not staged_stores:
+            raise ValueError("tma_stores writes the consumers' staged blocks: it needs staged_stores")
         self.tma_stores = tma_stores
-        self.maxima_buffers = 2 if store_warp or tma_stores else 1
+        self.maxima_buffers = 2 if tma_stores else 1
         self.num_heads = num_heads
         self.num_consumer_warpgroups = consumer_warpgroups
         self.paired_pages = consumer_warpgroups in (2, 3)
@@ -201,8 +194,6 @@ class PageScoreKernelSm90:
         # setmaxnreg only moves registers within the CTA's launch allocation (ptxas's count x threads:
         # 168 x 384, 128 x 512 and 96 x 640); asking for more than the producer frees blocks forever.
         self.producer_registers, self.consumer_registers = {2: (40, 232), 3: (24, 160), 4: (24, 112)}[consumer_warpgroups]
-        if store_warp:
-            self.producer_registers = 32  # the store warp's loop; 32 x 128 + 112 x 512 = the 96 x 640 launch allocation
         self.k_stages = k_stages
         self.q_stages = q_stages
         self.threads_per_cta = (1 + consumer_warpgroups) * self.threads_per_warpgroup
@@ -214,7 +205,7 @@ class PageScoreKernelSm90:
                              f"{self.shared_memory_bytes} an SM90 CTA may have: lower k_stages or staged_pages")
 
     def _shared_memory_bytes_needed(self) -> int:
-        barriers = 8 * 2 * (self.q_stages + self.k_stages + self.maxima_buffers * self.num_consumer_warpgroups)
+        barriers = 8 * 2 * (self.q_stages + self.k_stages)
         return (-(-barriers // 1024) * 1024 + self.q_stages * self.q_tile_bytes + self.k_stages * self.page_bytes
                 + 4 * self._staged_maxima_floats())
 
@@ -281,7 +272,6 @@ class PageScoreKernelSm90:
         class SharedStorage:
             q_barriers: cute.struct.MemRange[cutlass.Int64, self.q_stages * 2]
             k_barriers: cute.struct.MemRange[cutlass.Int64, self.k_stages * 2]
-            maxima_barriers: cute.struct.MemRange[cutlass.Int64, self.maxima_buffers * self.num_consumer_warpgroups * 2]
             sQ: cute.struct.Align[cute.struct.MemRange[self.operand_dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.operand_dtype, cute.cosize(sK_layout)], 1024]
             sMaxima: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self._staged_maxima_floats()], 128]
@@ -344,12 +334,6 @@ class PageScoreKernelSm90:
         sMaxima = None
         if cutlass.const_expr(self.staged_stores):
             sMaxima = storage.sMaxima.get_tensor(self._staged_maxima_layout())
-        maxima_barriers = storage.maxima_barriers.data_ptr()
-        if cutlass.const_expr(self.store_warp):
-            if warp_idx == 0:
-                with cute.arch.elect_one():
-                    self._init_maxima_handoff(maxima_barriers)
-            cute.arch.mbarrier_init_fence()
         pipeline.pipeline_init_wait()
 
         num_tasks = mNumTasks[0]
@@ -358,13 +342,9 @@ class PageScoreKernelSm90:
             if warp_idx == 0:
                 self.load(tma_atom_q, mQ, tma_atom_k, mK, sQ, sK, mBlockTable, mDescriptors,
                           q_pipeline, k_pipeline, cta_idx, num_ctas, num_tasks)
-            if cutlass.const_expr(self.store_warp):
-                if warp_idx == 1:
-                    self.store_staged_maxima(sMaxima, maxima_barriers, mScores, mDescriptors, tidx % 32,
-                                             cta_idx, num_ctas, num_tasks)
         else:
             cute.arch.warpgroup_reg_alloc(self.consumer_registers)
-            self.score(tiled_mma, sQ, sK, sMaxima, maxima_barriers, mScores, tma_atom_scores, mScores_tma, mDescriptors,
+            self.score(tiled_mma, sQ, sK, sMaxima, mScores, tma_atom_scores, mScores_tma, mDescriptors,
                        q_pipeline, k_pipeline, tidx - self.threads_per_warpgroup, cta_idx, num_ctas, num_tasks)
 
     def _ring(self, barriers, stages: int, stage_bytes: int):
@@ -415,7 +395,7 @@ class PageScoreKernelSm90:
         k_pipeline.producer_tail(k_state)
 
     @cute.jit
-    def score(self, tiled_mma, sQ, sK, sMaxima, maxima_barriers, mScores, tma_atom_scores, mScores_tma, mDescriptors,
+    def score(self, tiled_mma, sQ, sK, sMaxima, mScores, tma_atom_scores, mScores_tma, mDescriptors,
               q_pipeline, k_pipeline, consumer_tidx, cta_idx, num_ctas, num_tasks):
         thr_mma = tiled_mma.get_slice(consumer_tidx)
         tSrQ = tiled_mma.make_fragment_A(thr_mma.partition_A(sQ))
@@ -427,7 +407,6 @@ class PageScoreKernelSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         k_read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.k_stages)
         k_release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.k_stages)
-        maxima_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.maxima_buffers)
         staging_buffer = cutlass.Int32(0)  # tma_stores: the double-buffered block this warpgroup fills
         consumer_warpgroup = cute.arch.make_warp_uniform(consumer_tidx // self.threads_per_warpgroup)
         if cutlass.const_expr(self.issue_ring is not None):
@@ -477,19 +456,7 @@ class PageScoreKernelSm90:
                         self._pass_issue_token(consumer_warpgroup)
                     warpgroup.wait_group(0)
                     k_release_state = self._release_page(k_pipeline, k_release_state)
-                    if cutlass.const_expr(self.store_warp):
-                        slot = page_offset % self.staged_pages
-                        if slot == 0:  # the store warp has written this buffer out
-                            cute.arch.mbarrier_wait(
-                                self._maxima_barrier(maxima_barriers, consumer_warpgroup, maxima_state.index, empty=True),
-                                maxima_state.phase)
-                        self._stage_page(acc, rows, sMaxima[None, None, maxima_state.index, consumer_warpgroup],
-                                         consumer_warpgroup, slot)
-                        if slot == self.staged_pages - 1 or page_offset == page_count - 1:
-                            cute.arch.mbarrier_arrive(
-                                self._maxima_barrier(maxima_barriers, consumer_warpgroup, maxima_state.index, empty=False))
-                            maxima_state = self._advanced(maxima_state)
-                    elif cutlass.const_expr(self.tma_stores):
+                    if cutlass.const_expr(self.tma_stores):
                         slot = page_offset % self.staged_pages
                         self._stage_page(acc, rows, sMaxima[None, None, staging_buffer, consumer_warpgroup],
                                          consumer_warpgroup, slot)
@@ -519,47 +486,6 @@ class PageScoreKernelSm90:
     def _local_page(self, position_begin, tile_row):
         """L of a tile row: its token's local page, so pages [0, L) are its history (trace-time helper)."""
         return (position_begin + tile_row // self.num_heads) // self.page_size
-
-    @staticmethod
-    def _advanced(state):
-        next_state = state.clone()
-        next_state.advance()
-        return next_state
-
-    def _maxima_barrier(self, maxima_barriers, consumer_warpgroup, buffer, *, empty: bool):
-        """The mbarrier of one staging buffer: "full" (its 128 threads staged a block) or "empty" (written out)."""
-        index = consumer_warpgroup * self.maxima_buffers + buffer
-        if empty:
-            index = index + self.num_consumer_warpgroups * self.maxima_buffers
-        return maxima_barriers + index
-
-    def _init_maxima_handoff(self, maxima_barriers):
-        for warpgroup_index in range(self.num_consumer_warpgroups):
-            for buffer in range(self.maxima_buffers):
-                cute.arch.mbarrier_init(self._maxima_barrier(maxima_barriers, warpgroup_index, buffer, empty=False),
-                                        self.threads_per_warpgroup)
-                cute.arch.mbarrier_init(self._maxima_barrier(maxima_barriers, warpgroup_index, buffer, empty=True), 32)
-
-    @cute.jit
-    def store_staged_maxima(self, sMaxima, maxima_barriers, mScores, mDescriptors, lane, cta_idx, num_ctas, num_tasks):
-        """The store warp: replays the consumers' schedule (the same tasks, a block every ``staged_pages`` pages and
-        at each task's end) and writes each warpgroup's staged block out, consecutive lanes on consecutive pages
-        of a row, each row only below its local page."""
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.maxima_buffers)
-        for task in cutlass.range(cta_idx, num_tasks, num_ctas, unroll=1):
-            descriptor = load_task(mDescriptors, task, self.num_heads)
-            for block_begin in cutlass.range(0, descriptor.page_count, self.staged_pages, unroll=1):
-                pages = cutlass.min(self.staged_pages, descriptor.page_count - block_begin)
-                for warpgroup_index in cutlass.range_constexpr(self.num_consumer_warpgroups):
-                    cute.arch.mbarrier_wait(
-                        self._maxima_barrier(maxima_barriers, warpgroup_index, state.index, empty=False), state.phase)
-                    self._write_block(sMaxima[None, None, state.index, warpgroup_index], mScores, lane, 32,
-                                      warpgroup_index * self.rows_per_consumer_warpgroup, descriptor.row_begin,
-                                      descriptor.rows, descriptor.position_begin,
-                                      descriptor.page_begin + block_begin, pages)
-                    cute.arch.mbarrier_arrive(
-                        self._maxima_barrier(maxima_barriers, warpgroup_index, state.index, empty=True))
-                state = self._advanced(state)
 
     def _issue_token_barrier(self, warpgroup_index):
         return int(NamedBarrier.ISSUE_RING) + warpgroup_index
