@@ -105,6 +105,7 @@ def variants():
                PageScoreKernelSm90(num_heads, consumer_warpgroups=2, exact=True),
                (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "bf16.bf16")
     yield "topk_select", TopkSelectKernel(), topk_kernel_fake_arguments(), None
+    yield "topk_select_rest_batch1", TopkSelectKernel(rest_batch=1), topk_kernel_fake_arguments(), None
 
 
 def run_compile_check(kernel_variants, description: str, argv=None) -> int:

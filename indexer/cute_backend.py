@@ -37,6 +37,12 @@ TOPK_LANE_LIST_LENGTH = 4
 """Keys per lane in the top-k kernel's fast path (4), or None for the exhaustive path only; the result is the same
 bit for bit, the speed differs (docs/PERFORMANCE.md)."""
 
+TOPK_REST_BATCH = 4
+"""Top-k kernel: columns beyond a lane's cached slots (rows of more than 512 history pages) are loaded this many at a
+time (``TopkSelectKernel(rest_batch=...)``: 1, 2, 4 or 8); the result is the same bit for bit. 4 measured 1-2 %
+faster weighted (up to 29 % on short queries over long contexts, 3-5 % slower on rows without a rest) than 1
+(docs/PERFORMANCE.md, session 8)."""
+
 
 @functools.cache
 def dsl_version() -> str:
@@ -144,9 +150,9 @@ def run_topk_select(scores: torch.Tensor, num_valid_pages: torch.Tensor, out: to
             as_cute_tensor(out, leading_dim=1, align=4),
             cute_stream(),
         )
-        lane_list_length = TOPK_LANE_LIST_LENGTH
-        kernel = compile_once(("topk_select", lane_list_length, dsl_version()),
-                              lambda: TopkSelectKernel(lane_list_length), arguments)
+        lane_list_length, rest_batch = TOPK_LANE_LIST_LENGTH, TOPK_REST_BATCH
+        kernel = compile_once(("topk_select", lane_list_length, rest_batch, dsl_version()),
+                              lambda: TopkSelectKernel(lane_list_length, rest_batch), arguments)
         kernel(*arguments)
 
 

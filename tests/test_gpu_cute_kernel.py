@@ -164,7 +164,11 @@ def test_fp8_selection_is_right_up_to_the_fp8_error_bound():
 
 
 @pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
-def test_gpu_topk_matches_the_torch_topk_bitwise():
+@pytest.mark.parametrize("rest_batch", [1, 4])
+def test_gpu_topk_matches_the_torch_topk_bitwise(rest_batch, monkeypatch):
+    from indexer import cute_backend
+
+    monkeypatch.setattr(cute_backend, "TOPK_REST_BATCH", rest_batch)
     generator = torch.Generator().manual_seed(11)
     # random rows of many magnitudes, ties, all-equal rows, few-ulp ranges at large magnitude (clamp to 0)
     scores = torch.randn(3000, 9000, generator=generator) * torch.logspace(-30, 30, 3000)[:, None]
@@ -186,14 +190,16 @@ def test_gpu_topk_matches_the_torch_topk_bitwise():
 
 
 @pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
+@pytest.mark.parametrize("rest_batch", [1, 4])
 @pytest.mark.parametrize("lane_list_length", [4, None])
-def test_gpu_topk_paths_and_the_fast_paths_fallback_match_torch_bitwise(lane_list_length, monkeypatch):
+def test_gpu_topk_paths_and_the_fast_paths_fallback_match_torch_bitwise(lane_list_length, rest_batch, monkeypatch):
     """Every row length around the kernel's path boundaries (8 / 12 / 16 / 24 cached slots, the re-read
     beyond), and rows built so that one lane holds most of the top 15: the fast path must hand them
     to the exhaustive one (a lane keeps only its 4 best keys), with the same result."""
     from indexer import cute_backend
 
     monkeypatch.setattr(cute_backend, "TOPK_LANE_LIST_LENGTH", lane_list_length)
+    monkeypatch.setattr(cute_backend, "TOPK_REST_BATCH", rest_batch)
     generator = torch.Generator().manual_seed(12)
     boundaries = [17, 18, 33, 47, 48, 49, 256, 257, 258, 300, 384, 385, 386, 512, 513, 514, 700, 768, 769, 770, 800,
                   1025, 4000]

@@ -2,7 +2,7 @@
 
 One warp per score row, several rows per CTA, one launch for all rows. Each lane reads a strided
 share of the row's history into registers (8, 12 or 16 columns by row length; rows beyond 512
-history pages read the rest twice). Pass one finds the row's min/max (warp butterflies), pass two
+history pages read the rest twice, four columns per loop trip so their loads overlap). Pass one finds the row's min/max (warp butterflies), pass two
 builds the 16-bit quantised keys. On rows of more than 256 pages a lane keeps its 4 largest keys
 (groups of four sorted by a network of branch-free integer min/max, merged pairwise) and parks them
 in shared memory. The warp
@@ -131,10 +131,17 @@ class TopkSelectKernel:
     short_row_slots = 8  # exhaustive path: rows of up to 256 history pages take a path of half the work
     fast_slot_paths = (12, 16)  # fast path: cached scores per lane, by row length; longer rows read the rest twice
 
-    def __init__(self, lane_list_length=4):
+    def __init__(self, lane_list_length=4, rest_batch=4):
+        """``rest_batch``: columns beyond a lane's cached slots (rows of more than 512 history pages) are read
+        ``rest_batch`` at a time, their loads issued together, instead of one dependent load per loop trip; rows
+        of a thousand pages otherwise wait on ~16 load latencies per pass, which bounds short-query cases, where a
+        few hundred rows cannot hide them."""
         if lane_list_length not in (None, 4):
             raise ValueError(f"lane_list_length must be 4 or None, got {lane_list_length!r}")
+        if rest_batch not in (1, 2, 4, 8):
+            raise ValueError(f"rest_batch must be 1, 2, 4 or 8, got {rest_batch!r}")
         self.lane_list_length = lane_list_length
+        self.rest_batch = rest_batch
 
     @cute.jit
     def __call__(
@@ -242,9 +249,7 @@ class TopkSelectKernel:
                 for i, j in ((0, 2), (1, 3), (0, 1), (2, 3)):
                     self.compare_exchange(best, i, j)
         if cutlass.const_expr(longest):
-            for column in cutlass.range(lane + 32 * slots, history, 32, unroll=1):
-                key = self.key_of_level(self.level(mScores[row, column], scale, bias), self.page_bits(column))
-                self.insert(best, key, 4)
+            self.insert_rest(mScores, best, row, lane + 32 * slots, history, scale, bias, 4)
         for slot in cutlass.range_constexpr(4):
             sLists[lane, slot, warp] = best[slot]
         sLists[lane, 4, warp] = _INT32_MIN  # an exhausted lane's head: it cannot win again
@@ -270,10 +275,11 @@ class TopkSelectKernel:
             low = fmin(low, cached[i])
             high = cute.arch.fmax(high, cached[i])
         if cutlass.const_expr(read_rest):
-            for column in cutlass.range(lane + 32 * slots, history, 32, unroll=1):
-                value = mScores[row, column]
-                low = fmin(low, value)
-                high = cute.arch.fmax(high, value)
+            for column in cutlass.range(lane + 32 * slots, history, 32 * self.rest_batch, unroll=1):
+                values = self.read_rest(mScores, row, column, history)
+                for j in cutlass.range_constexpr(self.rest_batch):
+                    low = fmin(low, values[j])
+                    high = cute.arch.fmax(high, values[j])
         low, high = self.warp_min_max(low, high)
         scale, bias = self.quantisation(low, high)
         return cached, scale, bias
@@ -285,6 +291,25 @@ class TopkSelectKernel:
         if cutlass.const_expr(i < full_slots):
             return mScores[row, lane + 32 * i]
         return mScores[row, cutlass.min(lane + 32 * i, history - 1)]
+
+    @cute.jit
+    def read_rest(self, mScores, row, column, history):
+        """Columns ``column + 32 j``, ``j < rest_batch``, loaded together; those past the history load column
+        ``history - 1``, a real score of the row, so min and max need no masking (their keys are masked)."""
+        if cutlass.const_expr(self.rest_batch == 1):
+            return [mScores[row, column]]
+        return [mScores[row, cutlass.min(column + 32 * j, history - 1)] for j in range(self.rest_batch)]
+
+    @cute.jit
+    def insert_rest(self, mScores, best, row, first_column, history, scale, bias, length: cutlass.Constexpr):
+        """Insert the keys of this lane's columns ``first_column, first_column + 32, ... < history`` into ``best``."""
+        for column in cutlass.range(first_column, history, 32 * self.rest_batch, unroll=1):
+            values = self.read_rest(mScores, row, column, history)
+            for j in cutlass.range_constexpr(self.rest_batch):
+                key = self.key_of_level(self.level(values[j], scale, bias), self.page_bits(column + 32 * j))
+                if cutlass.const_expr(self.rest_batch > 1):
+                    key = cutlass.Int32(cutlass.select_(column + 32 * j < history, key, _INT32_MIN))
+                self.insert(best, key, length)
 
     @cute.jit
     def select_row(self, mScores, mOut, sLists, row, lane, warp, num_valid, slots: cutlass.Constexpr):
@@ -304,9 +329,7 @@ class TopkSelectKernel:
         for i, j in odd_even_merge_sort_network(slots):
             self.compare_exchange(best, i, j)
         if cutlass.const_expr(slots == self.cached_per_lane):
-            for column in cutlass.range(lane + 32 * slots, history, 32, unroll=1):
-                self.insert(best, self.key_of_level(self.level(mScores[row, column], scale, bias), self.page_bits(column)),
-                            self.cached_per_lane)
+            self.insert_rest(mScores, best, row, lane + 32 * slots, history, scale, bias, self.cached_per_lane)
         for slot in cutlass.range_constexpr(self.cached_per_lane):
             sLists[lane, slot, warp] = best[slot]
 
