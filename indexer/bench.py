@@ -203,6 +203,7 @@ def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "
                   topk_lane_list=_backend_setting("TOPK_LANE_LIST_LENGTH"),
                   issue_ring=_backend_setting("SCORE_ISSUE_RING"),
                   tma_stores=_backend_setting("SCORE_TMA_STORES"),
+                  topk_rest_batch=_backend_setting("TOPK_REST_BATCH"),
                   useful_flops=useful_flops(lengths, num_heads))
     result["scores_ms"], result["scores_cv"] = time_graphs(scores_only)
     result["run_ms"], result["run_cv"] = time_graphs(runs)
@@ -217,6 +218,26 @@ def _backend_setting(name: str):
     from . import cute_backend
 
     return getattr(cute_backend, name)
+
+
+def _apply_library_switches(args) -> None:
+    """Each A/B switch sets one of the library's module-level defaults, before any plan or kernel is built."""
+    from . import cute_backend, planner
+
+    switches = {
+        "task_order": (planner, "DEFAULT_TASK_ORDER", str),
+        "task_cost": (planner, "DEFAULT_TASK_COST", str),
+        "chunk_policy": (planner, "DEFAULT_CHUNK_POLICY", str),
+        "tile_rows": (cute_backend, "SCORE_TILE_ROWS", int),
+        "issue_ring": (cute_backend, "SCORE_ISSUE_RING", lambda value: None if value == "none" else value),
+        "tma_stores": (cute_backend, "SCORE_TMA_STORES", lambda value: value == "on"),
+        "topk_lane_list": (cute_backend, "TOPK_LANE_LIST_LENGTH", lambda value: None if value == "none" else int(value)),
+        "topk_rest_batch": (cute_backend, "TOPK_REST_BATCH", int),
+    }
+    for option, (module, attribute, convert) in switches.items():
+        value = getattr(args, option)
+        if value:
+            setattr(module, attribute, convert(value))
 
 
 def main(argv=None):
@@ -245,6 +266,9 @@ def main(argv=None):
                         help="score kernel (256-row tiles): consumer warpgroups issue their wgmmas in turn, passing "
                              "the turn on once committed or once three of four k-blocks are done "
                              "(default: the library's)")
+    parser.add_argument("--topk-rest-batch", type=int, choices=[1, 2, 4, 8], default=None,
+                        help="top-k kernel: columns past a lane's cached ones loaded this many per loop trip "
+                             "(default: the library's)")
     parser.add_argument("--tma-stores", choices=["on", "off"], default=None,
                         help="score kernel (256-row tiles): whole staged blocks of row maxima leave by TMA stores "
                              "(default: the library's)")
@@ -254,34 +278,7 @@ def main(argv=None):
                         help="planner: tasks heaviest bucket first, or by exact cost with every second wave reversed "
                              "(default: the library's)")
     args = parser.parse_args(argv)
-    if args.task_order:
-        from . import planner
-
-        planner.DEFAULT_TASK_ORDER = args.task_order
-    if args.task_cost:
-        from . import planner
-
-        planner.DEFAULT_TASK_COST = args.task_cost
-    if args.tma_stores:
-        from . import cute_backend
-
-        cute_backend.SCORE_TMA_STORES = args.tma_stores == "on"
-    if args.issue_ring:
-        from . import cute_backend
-
-        cute_backend.SCORE_ISSUE_RING = None if args.issue_ring == "none" else args.issue_ring
-    if args.topk_lane_list:
-        from . import cute_backend
-
-        cute_backend.TOPK_LANE_LIST_LENGTH = None if args.topk_lane_list == "none" else int(args.topk_lane_list)
-    if args.chunk_policy:
-        from . import planner
-
-        planner.DEFAULT_CHUNK_POLICY = args.chunk_policy
-    if args.tile_rows:
-        from . import cute_backend
-
-        cute_backend.SCORE_TILE_ROWS = args.tile_rows
+    _apply_library_switches(args)
     if not torch.cuda.is_available():
         sys.exit("indexer.bench needs a CUDA GPU")
     device = torch.device("cuda")

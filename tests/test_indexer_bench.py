@@ -2,7 +2,7 @@
 
 import pytest
 
-from indexer import bench, cute_backend
+from indexer import bench, cute_backend, planner
 
 
 def result(num_heads, total_q, run_us, weight=0):
@@ -27,52 +27,24 @@ def test_classes_split_at_512_and_4096_query_tokens():
     assert [[r["total_q"] for r in rows] for rows in classes.values()] == [[511], [512, 4095], [4096]]
 
 
-@pytest.mark.parametrize("value, expected", [("none", None), ("4", 4)])
-def test_topk_lane_list_option_selects_the_kernel_variant(value, expected, monkeypatch):
-    monkeypatch.setattr(cute_backend, "TOPK_LANE_LIST_LENGTH", 4)
+SETTINGS = {
+    "--topk-lane-list": (cute_backend, "TOPK_LANE_LIST_LENGTH", {"none": None, "4": 4}),
+    "--topk-rest-batch": (cute_backend, "TOPK_REST_BATCH", {"1": 1, "4": 4}),
+    "--issue-ring": (cute_backend, "SCORE_ISSUE_RING", {"progress": "progress", "commit": "commit", "none": None}),
+    "--tma-stores": (cute_backend, "SCORE_TMA_STORES", {"off": False, "on": True}),
+    "--task-cost": (planner, "DEFAULT_TASK_COST", {"tile": "tile", "rows": "rows"}),
+    "--task-order": (planner, "DEFAULT_TASK_ORDER", {"snake": "snake", "buckets": "buckets"}),
+    "--chunk-policy": (planner, "DEFAULT_CHUNK_POLICY", {"fill_sms": "fill_sms", "balanced": "balanced"}),
+    "--tile-rows": (cute_backend, "SCORE_TILE_ROWS", {"128": 128, "256": 256}),
+}
+
+
+@pytest.mark.parametrize("option, value", [(option, value) for option, (_, _, values) in SETTINGS.items() for value in values])
+def test_each_option_sets_the_library_default_it_names(option, value, monkeypatch):
+    """The bench's A/B switches set the library's module-level defaults before any plan or kernel is built."""
+    module, name, values = SETTINGS[option]
+    monkeypatch.setattr(module, name, "unset")
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-        bench.main(["--quick", "--topk-lane-list", value])
-    assert cute_backend.TOPK_LANE_LIST_LENGTH == expected
-
-
-def test_issue_ring_option_switches_the_score_kernel_schedule(monkeypatch):
-    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
-    for value, expected in (("progress", "progress"), ("commit", "commit"), ("none", None)):
-        monkeypatch.setattr(cute_backend, "SCORE_ISSUE_RING", "unset")
-        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-            bench.main(["--quick", "--issue-ring", value])
-        assert cute_backend.SCORE_ISSUE_RING == expected
-
-
-def test_task_cost_option_switches_the_planner_model(monkeypatch):
-    from indexer import planner
-
-    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
-    for value in ("tile", "rows"):
-        monkeypatch.setattr(planner, "DEFAULT_TASK_COST", "unset")
-        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-            bench.main(["--quick", "--task-cost", value])
-        assert planner.DEFAULT_TASK_COST == value
-
-
-def test_task_order_option_switches_the_planner_layout(monkeypatch):
-    from indexer import planner
-
-    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
-    for value in ("snake", "buckets"):
-        monkeypatch.setattr(planner, "DEFAULT_TASK_ORDER", "unset")
-        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-            bench.main(["--quick", "--task-order", value])
-        assert planner.DEFAULT_TASK_ORDER == value
-
-
-def test_tma_stores_option_switches_the_score_kernel_variant(monkeypatch):
-    from indexer import cute_backend
-
-    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
-    for value, expected in (("off", False), ("on", True)):
-        monkeypatch.setattr(cute_backend, "SCORE_TMA_STORES", "unset")
-        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-            bench.main(["--quick", "--tma-stores", value])
-        assert cute_backend.SCORE_TMA_STORES is expected
+        bench.main(["--quick", option, value])
+    assert getattr(module, name) == values[value] and type(getattr(module, name)) is type(values[value])
