@@ -8,7 +8,8 @@ id (the next block-table entry is read while the current TMA is in flight), into
 consumers run ``wgmma.m64n128k32`` e4m3 x e4m3 -> f32 four times per page (K = 128), reduce each accumulator
 row to its page maximum (registers, then two quad shuffles) and write one fp32 per (row, page) for pages before
 the row's local page only; with 4 consumer warpgroups the maxima of 16 pages are staged in shared memory and
-written as row segments. No atomics; the output is deterministic.
+leave as one TMA store per whole block (masked row segments for the blocks on a tile's diagonal or a task's end).
+No atomics; the output is deterministic.
 """
 
 from __future__ import annotations
@@ -209,12 +210,15 @@ class PageScoreKernelSm90:
         return (-(-barriers // 1024) * 1024 + self.q_stages * self.q_tile_bytes + self.k_stages * self.page_bytes
                 + 4 * self._staged_maxima_floats())
 
+    def _staged_row_pitch(self) -> int:
+        # rows padded by one float so the writer lanes' rows fall in distinct banks; a TMA store reads a dense block
+        # (there the writers' 4-way conflict costs two stores per page)
+        return self.staged_pages + (0 if self.tma_stores else 1)
+
     def _staged_maxima_layout(self):
-        # (64 rows, staged_pages, buffer, consumer warpgroup); rows padded by one float so the writer lanes' rows fall
-        # in distinct banks
-        # (TMA stores read a dense block: no padding there; the writers' 4-way conflict is two stores per page)
+        """(64 rows, staged_pages, buffer, consumer warpgroup)."""
         rows = self.rows_per_consumer_warpgroup
-        pitch = self.staged_pages + (0 if self.tma_stores else 1)
+        pitch = self._staged_row_pitch()
         block = rows * pitch
         return cute.make_layout((rows, self.staged_pages, self.maxima_buffers, self.num_consumer_warpgroups),
                                 stride=(pitch, 1, block, block * self.maxima_buffers))
@@ -222,7 +226,7 @@ class PageScoreKernelSm90:
     def _staged_maxima_floats(self) -> int:
         if not self.staged_stores:
             return 4  # unused
-        return (self.rows_per_consumer_warpgroup * (self.staged_pages + (0 if self.tma_stores else 1)) * self.maxima_buffers
+        return (self.rows_per_consumer_warpgroup * self._staged_row_pitch() * self.maxima_buffers
                 * self.num_consumer_warpgroups)
 
     def _smem_layout(self, rows: int, stages: int):
@@ -592,9 +596,9 @@ class PageScoreKernelSm90:
             if thread == 0:
                 gBlock = cute.local_tile(cute.domain_offset((rows.row_begin + block_row, first_page), mScores_tma),
                                          (self.rows_per_consumer_warpgroup, self.staged_pages), (0, 0))
-                tSsS, tSgS = cpasync.tma_partition(tma_atom_scores, 0, cute.make_layout(1), cute.group_modes(sBlock, 0, 2),
+                tBsB, tBgB = cpasync.tma_partition(tma_atom_scores, 0, cute.make_layout(1), cute.group_modes(sBlock, 0, 2),
                                                    cute.group_modes(gBlock, 0, 2))
-                cute.copy(tma_atom_scores, tSsS, tSgS)
+                cute.copy(tma_atom_scores, tBsB, tBgB)
                 cute.arch.cp_async_bulk_commit_group()
         else:
             self._write_block(sBlock, mScores, thread, self.threads_per_warpgroup, block_row, rows.row_begin,
