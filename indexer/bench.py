@@ -204,6 +204,7 @@ def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "
                   issue_ring=_backend_setting("SCORE_ISSUE_RING"),
                   tma_stores=_backend_setting("SCORE_TMA_STORES"),
                   topk_rest_batch=_backend_setting("TOPK_REST_BATCH"),
+                  programmatic_topk=_backend_setting("PROGRAMMATIC_TOPK"),
                   useful_flops=useful_flops(lengths, num_heads))
     result["scores_ms"], result["scores_cv"] = time_graphs(scores_only)
     result["run_ms"], result["run_cv"] = time_graphs(runs)
@@ -233,6 +234,7 @@ def _apply_library_switches(args) -> None:
         "tma_stores": (cute_backend, "SCORE_TMA_STORES", lambda value: value == "on"),
         "topk_lane_list": (cute_backend, "TOPK_LANE_LIST_LENGTH", lambda value: None if value == "none" else int(value)),
         "topk_rest_batch": (cute_backend, "TOPK_REST_BATCH", int),
+        "programmatic_topk": (cute_backend, "PROGRAMMATIC_TOPK", lambda value: value == "on"),
     }
     for option, (module, attribute, convert) in switches.items():
         value = getattr(args, option)
@@ -269,6 +271,8 @@ def main(argv=None):
     parser.add_argument("--topk-rest-batch", type=int, choices=[1, 2, 4, 8], default=None,
                         help="top-k kernel: columns past a lane's cached ones loaded this many per loop trip "
                              "(default: the library's)")
+    parser.add_argument("--programmatic-topk", choices=["on", "off"], default=None,
+                        help="launch the top-k as a programmatic dependent of the score kernel (default: the library's)")
     parser.add_argument("--tma-stores", choices=["on", "off"], default=None,
                         help="score kernel (256-row tiles): whole staged blocks of row maxima leave by TMA stores "
                              "(default: the library's)")

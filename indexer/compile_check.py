@@ -95,6 +95,10 @@ def variants():
         yield (f"page_scores_sm90_h{num_heads}_rows256_tma_stores",
                PageScoreKernelSm90(num_heads, consumer_warpgroups=4, issue_ring="commit", tma_stores=True),
                (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "e4m3.e4m3")
+    q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments(tma_stores=True)
+    yield ("page_scores_sm90_h4_rows256_release_dependents",
+           PageScoreKernelSm90(4, consumer_warpgroups=4, issue_ring="commit", tma_stores=True, release_dependents=True),
+           (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "e4m3.e4m3")
     q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments()
     yield ("page_scores_sm90_h4_rows256_direct_stores",
            PageScoreKernelSm90(4, consumer_warpgroups=4, issue_ring="commit", staged_stores=False),
@@ -106,6 +110,7 @@ def variants():
                (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "bf16.bf16")
     yield "topk_select", TopkSelectKernel(), topk_kernel_fake_arguments(), None
     yield "topk_select_rest_batch1", TopkSelectKernel(rest_batch=1), topk_kernel_fake_arguments(), None
+    yield "topk_select_programmatic", TopkSelectKernel(programmatic_launch=True), topk_kernel_fake_arguments(), None
 
 
 def run_compile_check(kernel_variants, description: str, argv=None) -> int:

@@ -33,6 +33,11 @@ SCORE_TMA_STORES = True
 when the score buffer allows it (16-byte aligned base, row pitch a multiple of 4 floats); the scores are the same bit
 for bit. Chosen by measurement (docs/PERFORMANCE.md, session 8)."""
 
+PROGRAMMATIC_TOPK = False
+"""Launch the top-k as a programmatic dependent of the score kernel (``TopkSelectKernel(programmatic_launch=True)``,
+``PageScoreKernelSm90(release_dependents=True)``): its CTAs are scheduled on the SMs the score kernel's tail frees and
+wait there for the scores; the result is the same bit for bit. Opt-in until measured (docs/STATUS.md)."""
+
 TOPK_LANE_LIST_LENGTH = 4
 """Keys per lane in the top-k kernel's fast path (4), or None for the exhaustive path only; the result is the same
 bit for bit, the speed differs (docs/PERFORMANCE.md)."""
@@ -125,11 +130,14 @@ class PageScoreRunner:
         from .kernels.score_sm90 import PageScoreKernelSm90
 
         issue_ring = SCORE_ISSUE_RING if self.consumer_warpgroups == 4 else None
-        key = ("page_scores_sm90", self.num_heads, self.consumer_warpgroups, self.exact, issue_ring, tma_stores, self.num_ctas, dsl_version())
+        release_dependents = PROGRAMMATIC_TOPK
+        key = ("page_scores_sm90", self.num_heads, self.consumer_warpgroups, self.exact, issue_ring, tma_stores,
+               release_dependents, self.num_ctas, dsl_version())
         return compile_once(
             key,
             lambda: PageScoreKernelSm90(self.num_heads, consumer_warpgroups=self.consumer_warpgroups, exact=self.exact,
-                                        issue_ring=issue_ring, tma_stores=tma_stores),
+                                        issue_ring=issue_ring, tma_stores=tma_stores,
+                                        release_dependents=release_dependents),
             (*arguments, self.num_ctas, stream),
         )
 
@@ -150,9 +158,9 @@ def run_topk_select(scores: torch.Tensor, num_valid_pages: torch.Tensor, out: to
             as_cute_tensor(out, leading_dim=1, align=4),
             cute_stream(),
         )
-        lane_list_length, rest_batch = TOPK_LANE_LIST_LENGTH, TOPK_REST_BATCH
-        kernel = compile_once(("topk_select", lane_list_length, rest_batch, dsl_version()),
-                              lambda: TopkSelectKernel(lane_list_length, rest_batch), arguments)
+        lane_list_length, rest_batch, programmatic = TOPK_LANE_LIST_LENGTH, TOPK_REST_BATCH, PROGRAMMATIC_TOPK
+        kernel = compile_once(("topk_select", lane_list_length, rest_batch, programmatic, dsl_version()),
+                              lambda: TopkSelectKernel(lane_list_length, rest_batch, programmatic), arguments)
         kernel(*arguments)
 
 

@@ -223,6 +223,37 @@ def test_gpu_topk_paths_and_the_fast_paths_fallback_match_torch_bitwise(lane_lis
 
 
 @pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
+def test_programmatic_topk_launch_selects_the_same_pages_eagerly_and_in_graph_replay(monkeypatch):
+    """The top-k launched as a programmatic dependent of the score kernel (its CTAs may start during the score
+    kernel's tail and wait for it) selects exactly what the plain launch does, eagerly and replayed."""
+    from indexer import cute_backend
+
+    case = make_case([(1500, 40000), (7, 9000), (300, 70000)], num_heads=4, seed=21)
+    device = torch.device("cuda")
+    metadata = [t.to(device) for t in case.metadata()]
+    q, k = case.q.to(device), case.k_cache.to(device)
+    selections = {}
+    for programmatic in (False, True):
+        monkeypatch.setattr(cute_backend, "PROGRAMMATIC_TOPK", programmatic)
+        wrapper = BatchPrefillIndexerQ8KV8Wrapper(4, backend="cute", precision="fp8")
+        wrapper.plan(*metadata, **case.plan_kwargs())
+        eager = wrapper.run(q, k).clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = wrapper.run(q, k)
+        for _ in range(3):
+            wrapper.scores.fill_(float("nan"))
+            replayed.fill_(-7)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(replayed, eager)
+        selections[programmatic] = eager
+    assert torch.equal(selections[True], selections[False])
+    # key: ("topk_select", lane_list_length, rest_batch, programmatic_launch, DSL version, device)
+    assert any(key[0] == "topk_select" and key[3] is True for key in cute_backend._compiled)
+
+
+@pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
 def test_kernel_is_deterministic_and_graph_replay_matches_eager():
     case = make_case([(1500, 40000), (7, 9000)], num_heads=2, seed=3)
     device = torch.device("cuda")

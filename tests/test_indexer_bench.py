@@ -32,6 +32,7 @@ SETTINGS = {
     "--topk-rest-batch": (cute_backend, "TOPK_REST_BATCH", {"1": 1, "4": 4}),
     "--issue-ring": (cute_backend, "SCORE_ISSUE_RING", {"progress": "progress", "commit": "commit", "none": None}),
     "--tma-stores": (cute_backend, "SCORE_TMA_STORES", {"off": False, "on": True}),
+    "--programmatic-topk": (cute_backend, "PROGRAMMATIC_TOPK", {"off": False, "on": True}),
     "--task-cost": (planner, "DEFAULT_TASK_COST", {"tile": "tile", "rows": "rows"}),
     "--task-order": (planner, "DEFAULT_TASK_ORDER", {"snake": "snake", "buckets": "buckets"}),
     "--chunk-policy": (planner, "DEFAULT_CHUNK_POLICY", {"fill_sms": "fill_sms", "balanced": "balanced"}),

@@ -119,6 +119,7 @@ class PageScoreKernelSm90:
         staged_stores: Optional[bool] = None,
         staged_pages: int = 16,
         tma_stores: bool = False,
+        release_dependents: bool = False,
     ):
         """``consumer_warpgroups`` = 2: 128-row tiles, each warpgroup overlaps its own wgmma and
         reduction with two accumulators (pages in pairs). 3: 192-row tiles, pages in pairs as with 2,
@@ -155,6 +156,11 @@ class PageScoreKernelSm90:
         aligned and whose row pitch is a multiple of 4 floats (TMA's global-stride rule): the host picks this
         variant only then. (A producer-side store warp that wrote the blocks out instead was 19-45 % slower and was
         removed: docs/PERFORMANCE.md, session 8.)
+
+        ``release_dependents``: every CTA executes ``griddepcontrol.launch_dependents`` as it starts, so a kernel
+        launched after this one as a programmatic dependent (the top-k with ``programmatic_launch``) may put its
+        CTAs on the SMs whose persistent CTA has finished; that kernel still waits for this one's completion before
+        it reads the scores. No effect on other launches.
         """
         if num_heads not in (1, 2, 4):
             raise ValueError(f"num_heads must be 1, 2 or 4, got {num_heads}")
@@ -187,6 +193,7 @@ class PageScoreKernelSm90:
         if tma_stores and not staged_stores:
             raise ValueError("tma_stores writes the consumers' staged blocks: it needs staged_stores")
         self.tma_stores = tma_stores
+        self.release_dependents = release_dependents
         self.maxima_buffers = 2 if tma_stores else 1
         self.num_heads = num_heads
         self.num_consumer_warpgroups = consumer_warpgroups
@@ -319,6 +326,8 @@ class PageScoreKernelSm90:
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
     ):
+        if cutlass.const_expr(self.release_dependents):
+            cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)

@@ -131,8 +131,14 @@ class TopkSelectKernel:
     short_row_slots = 8  # exhaustive path: rows of up to 256 history pages take a path of half the work
     fast_slot_paths = (12, 16)  # fast path: cached scores per lane, by row length; longer rows read the rest twice
 
-    def __init__(self, lane_list_length=4, rest_batch=4):
-        """``rest_batch``: columns beyond a lane's cached slots (rows of more than 512 history pages) are read
+    def __init__(self, lane_list_length=4, rest_batch=4, programmatic_launch=False):
+        """``programmatic_launch``: the kernel is launched as a programmatic dependent of the kernel before it in the
+        stream (``use_pdl``: its CTAs may be scheduled while that kernel's last CTAs run) and waits
+        (``griddepcontrol.wait``) for that kernel to complete and its writes to be visible before reading anything,
+        so the result is the same whatever ran before. The score kernel built with ``release_dependents=True`` lets
+        the top-k's CTAs onto the SMs its tail frees.
+
+        ``rest_batch``: columns beyond a lane's cached slots (rows of more than 512 history pages) are read
         ``rest_batch`` at a time, their loads issued together, instead of one dependent load per loop trip; rows
         of a thousand pages otherwise wait on ~16 load latencies per pass, which bounds short-query cases, where a
         few hundred rows cannot hide them."""
@@ -142,6 +148,7 @@ class TopkSelectKernel:
             raise ValueError(f"rest_batch must be 1, 2, 4 or 8, got {rest_batch!r}")
         self.lane_list_length = lane_list_length
         self.rest_batch = rest_batch
+        self.programmatic_launch = programmatic_launch
 
     @cute.jit
     def __call__(
@@ -154,11 +161,13 @@ class TopkSelectKernel:
         rows = cute.size(mNumValidPages, mode=[0])
         grid = (rows + self.warps_per_cta - 1) // self.warps_per_cta
         self.kernel(mScores, mNumValidPages, mOut).launch(
-            grid=(grid, 1, 1), block=(32 * self.warps_per_cta, 1, 1), stream=stream
+            grid=(grid, 1, 1), block=(32 * self.warps_per_cta, 1, 1), stream=stream, use_pdl=self.programmatic_launch
         )
 
     @cute.kernel
     def kernel(self, mScores: cute.Tensor, mNumValidPages: cute.Tensor, mOut: cute.Tensor):
+        if cutlass.const_expr(self.programmatic_launch):
+            cute.arch.griddepcontrol_wait()  # the scores' writer must be complete and visible
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         lane = tidx % 32
