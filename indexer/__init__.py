@@ -7,7 +7,7 @@ backend chosen by ``backend="auto"`` where it fits. ``differentiable_page_scores
 under autograd, for training the indexer.
 """
 
-from .contract import DEFAULT_TOPK, HEAD_DIM, MAX_PAGES_PER_ROW, PAGE_SIZE
+from .contract import DEFAULT_TOPK, HEAD_DIM, MAX_PAGES_PER_ROW, PAGE_SIZE, score_row_pitch
 from .differentiable_scores import causal_page_counts, differentiable_page_scores
 from .selection_gate import selection_gate
 from .topk import topk_select
@@ -23,4 +23,5 @@ __all__ = [
     "HEAD_DIM",
     "DEFAULT_TOPK",
     "MAX_PAGES_PER_ROW",
+    "score_row_pitch",
 ]

@@ -14,6 +14,7 @@ from .contract import (
     PAGE_SIZE,
     PRECISIONS,
     SCORE_DTYPES,
+    score_row_pitch,
 )
 from .planner import DEFAULT_NUM_SMS, TaskPlan, build_task_plan, describe_plan_errors, plan_shape
 from .topk import topk_select
@@ -196,8 +197,7 @@ class BatchPrefillIndexerQ8KV8Wrapper:
         self._kernel_backend = choice.name == "cute"
         self._validate = validate
         if score_out is None:
-            # a row pitch of whole 16-byte units lets the score kernel write whole blocks by TMA
-            pitch = -(-shape.max_pages // 4) * 4
+            pitch = score_row_pitch(shape.max_pages)
             score_out = torch.empty(total_q * self.num_heads, pitch, dtype=torch.float32, device=device)[:, : shape.max_pages]
         self._scores = score_out
         self._topk_out = None

@@ -57,7 +57,7 @@ class MiniMaxM3Config(PreTrainedConfig):
         sparse_attention_implementation (`str`, defaults to `"auto"`): the sparse attention function by name (see
             `minimax_m3.sparse_attention.SPARSE_ATTENTION_FUNCTIONS`).
         indexer_backend (`str`, defaults to `"auto"`): `backend` of the indexer wrapper.
-        max_score_buffer_bytes (`int`, defaults to 8 GiB): bound on the indexer's score buffer (`T * H * pages`
+        max_score_buffer_bytes (`int`, defaults to 8 GiB): bound on the indexer's score buffer (`T * H * pitch`
             fp32, the only allocation that grows faster than the context); longer prompts run in query chunks.
         page_selection (`str`, defaults to `"indexer"`): how sparse layers choose their pages. `"indexer"` is
             MiniMax Sparse Attention; `"recent"` takes the `index_topk_blocks` most recent pages (the local page

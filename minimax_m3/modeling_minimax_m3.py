@@ -17,6 +17,8 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import ModelOutput
 from transformers.utils import generic as transformers_generic
 
+from indexer import score_row_pitch
+
 from .cache import MiniMaxM3Cache
 from .configuration_minimax_m3 import DENSE_MLP, SPARSE_ATTENTION, MiniMaxM3Config
 from .sparse_attention import (
@@ -383,12 +385,13 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         )
 
     def _query_chunk_columns(self, cache: MiniMaxM3Cache, query_lengths: list, new_tokens: int) -> int:
-        """Input columns per forward so the indexer's score buffer (``T * H * pages`` fp32, the only super-linear
-        allocation) stays within ``config.max_score_buffer_bytes``: very long prompts run as query chunks."""
+        """Input columns per forward so the indexer's score buffer (``T * H * pitch`` fp32, the pages rounded up by
+        ``score_row_pitch``; the only super-linear allocation) stays within ``config.max_score_buffer_bytes``: very
+        long prompts run as query chunks."""
         if self.config.attention_mode != "sparse" or SPARSE_ATTENTION not in self.config.layer_types:
             return new_tokens
         pages = -(-max(p + q for p, q in zip(cache.lengths, query_lengths)) // self.config.index_block_size)
-        bytes_per_column = 4 * cache.batch_size * self.config.index_n_heads * pages
+        bytes_per_column = 4 * cache.batch_size * self.config.index_n_heads * score_row_pitch(pages)
         return max(1, min(new_tokens, self.config.max_score_buffer_bytes // max(1, bytes_per_column)))
 
     def _forward_in_chunks(self, inputs_embeds, attention_mask, cache, use_cache, output_page_selections, chunk):

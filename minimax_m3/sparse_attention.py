@@ -13,7 +13,7 @@ from typing import Callable, Dict, Optional
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
-from indexer import BatchPrefillIndexerQ8KV8Wrapper
+from indexer import BatchPrefillIndexerQ8KV8Wrapper, score_row_pitch
 
 from .sparse_attention_cute import cute_sparse_attention_supported, sparse_attention_cute
 
@@ -121,7 +121,7 @@ class PageSelector:
         starts = metadata.query_starts + [metadata.total_tokens]
         max_kv = max(metadata.kv_lengths)
         pages = -(-max_kv // self.config.index_block_size)
-        pitch = -(-pages // 4) * 4  # whole 16-byte units: the indexer's score kernel then writes blocks by TMA
+        pitch = score_row_pitch(pages)
         rows = metadata.total_tokens * self.config.index_n_heads
         storage = self._score_storage.get(device)
         if storage is None or storage.numel() < rows * pitch:

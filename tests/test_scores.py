@@ -196,3 +196,17 @@ def test_head_isolation():
     changed = wrapper.run(flipped.to(torch.float8_e4m3fn), case.k_cache)
     assert torch.equal(changed[:, 1:], base[:, 1:])
     assert not torch.equal(changed[:, 0], base[:, 0])
+
+
+@pytest.mark.parametrize("max_seqlen_k", [128 * 9, 128 * 12, 128 * 12 + 1])
+def test_own_score_buffer_has_a_pitch_of_whole_16_byte_units(max_seqlen_k):
+    """Without ``score_out`` the wrapper's buffer is ``[rows, max_pages]`` with its row pitch rounded up to a
+    multiple of 4 floats (what lets the SM90 kernel write whole blocks by TMA), and the scores stay exact."""
+    from indexer import score_row_pitch
+
+    case = make_case([(40, max_seqlen_k), (3, 700)], num_heads=2, seed=5)
+    wrapper = check_against_loop(case, 2)
+    pages = -(-max_seqlen_k // 128)
+    assert wrapper.scores.shape == (case.total_q * 2, pages)
+    assert wrapper.scores.stride() == (score_row_pitch(pages), 1) and score_row_pitch(pages) % 4 == 0
+    assert score_row_pitch(pages) - pages in range(4)
