@@ -246,8 +246,8 @@ def modelled_requests(total_q: int, max_seqlen_q: int, max_seqlen_k: int) -> tup
 
 
 @functools.lru_cache(maxsize=256)
-def _balanced_page_chunk(requests: tuple, page_size, tile_tokens, num_heads, num_sms, task_cost: str = "rows",
-                         task_order: str = "buckets") -> int:
+def _balanced_page_chunk(requests: tuple, page_size, tile_tokens, num_heads, num_sms, task_cost: str,
+                         task_order: str) -> int:
     """The chunk minimising the predicted makespan of the kernel's static round robin over heavy-first tasks
     (laid out as ``task_order`` does it, the buckets modelled as an exact sort).
 
