@@ -2,8 +2,8 @@
 
 One warp per score row, several rows per CTA, one launch for all rows. Each lane reads a strided
 share of the row's history into registers (8, 12 or 16 columns by row length; rows beyond 512
-history pages read the rest twice, four columns per loop trip so their loads overlap). Pass one finds the row's min/max (warp butterflies), pass two
-builds the 16-bit quantised keys. On rows of more than 256 pages a lane keeps its 4 largest keys
+history pages read the rest twice, four columns per loop trip so their loads overlap). Pass one
+finds the row's min/max (warp butterflies), pass two builds the 16-bit quantised keys. On rows of more than 256 pages a lane keeps its 4 largest keys
 (groups of four sorted by a network of branch-free integer min/max, merged pairwise) and parks them
 in shared memory. The warp
 then takes the top 15 in 15 rounds of one ``redux.sync.max`` over the lanes' list heads; the winning
