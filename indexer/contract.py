@@ -16,6 +16,7 @@ DEFAULT_TOPK = 16
 MAX_PAGES_PER_ROW = 65536
 """The top-k key keeps a page id in 16 bits, so a row may hold at most this many pages."""
 
+
 def score_row_pitch(pages: int) -> int:
     """The row pitch (floats) of a score buffer for ``pages`` columns that the SM90 score kernel writes fastest:
     whole 16-byte units, so whole blocks of row maxima leave by TMA stores (docs/INDEXER.md)."""

@@ -13,6 +13,8 @@ import threading
 
 import torch
 
+from .contract import score_row_pitch
+
 __all__ = ["dsl_available", "dsl_version", "PageScoreRunner", "run_topk_select", "as_cute_tensor", "cute_stream",
            "compile_once"]
 
@@ -109,22 +111,23 @@ class PageScoreRunner:
             # pages the batch reads (the exact mode is the precision reference, not the fast path).
             q = q.to(torch.bfloat16)
             k_pages = k_pages.to(torch.bfloat16)
+        tma_stores = self._tma_stores(scores)
         arguments = (
             as_cute_tensor(q.view(q.shape[0] * q.shape[1], q.shape[2]), leading_dim=1, align=16, fp8=fp8),
             as_cute_tensor(k_pages.permute(1, 2, 0), leading_dim=1, align=16, fp8=fp8),
-            as_cute_tensor(scores, leading_dim=1, align=16 if self._tma_stores(scores) else 4),
+            as_cute_tensor(scores, leading_dim=1, align=16 if tma_stores else 4),
             as_cute_tensor(block_table, leading_dim=1, align=4),
             as_cute_tensor(descriptors, leading_dim=1, align=16),
             as_cute_tensor(num_tasks, leading_dim=0, align=4),
         )
         stream = cute_stream()
-        kernel = self._compiled(arguments, stream, self._tma_stores(scores))
+        kernel = self._compiled(arguments, stream, tma_stores)
         kernel(*arguments, self.num_ctas, stream)
 
     def _tma_stores(self, scores: torch.Tensor) -> bool:
         """Whether this launch takes the TMA-store variant: its score buffer must meet TMA's global alignment rules."""
-        return (SCORE_TMA_STORES and self.consumer_warpgroups == 4
-                and scores.data_ptr() % 16 == 0 and (scores.shape[0] <= 1 or scores.stride(0) % 4 == 0))
+        return (SCORE_TMA_STORES and self.consumer_warpgroups == 4 and scores.data_ptr() % 16 == 0
+                and (scores.shape[0] <= 1 or score_row_pitch(scores.stride(0)) == scores.stride(0)))
 
     def _compiled(self, arguments, stream, tma_stores: bool):
         from .kernels.score_sm90 import PageScoreKernelSm90
