@@ -200,10 +200,9 @@ def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "
                   task_order=wrapper.task_plan.shape.task_order,
                   backend=wrapper.active_backend, precision=precision, tile_rows=wrapper.task_plan.shape.tile_rows,
                   page_chunk=wrapper.task_plan.shape.page_chunk, host_lengths=host_lengths,
-                  topk_lane_list=_backend_setting("TOPK_LANE_LIST_LENGTH"),
                   issue_ring=_backend_setting("SCORE_ISSUE_RING"),
                   tma_stores=_backend_setting("SCORE_TMA_STORES"),
-                  topk_rest_batch=_backend_setting("TOPK_REST_BATCH"),
+                  topk_options=dict(_backend_setting("TOPK_KERNEL_OPTIONS")),
                   programmatic_topk=_backend_setting("PROGRAMMATIC_TOPK"),
                   useful_flops=useful_flops(lengths, num_heads))
     result["scores_ms"], result["scores_cv"] = time_graphs(scores_only)
@@ -232,14 +231,30 @@ def _apply_library_switches(args) -> None:
         "tile_rows": (cute_backend, "SCORE_TILE_ROWS", int),
         "issue_ring": (cute_backend, "SCORE_ISSUE_RING", lambda value: None if value == "none" else value),
         "tma_stores": (cute_backend, "SCORE_TMA_STORES", lambda value: value == "on"),
-        "topk_lane_list": (cute_backend, "TOPK_LANE_LIST_LENGTH", lambda value: None if value == "none" else int(value)),
-        "topk_rest_batch": (cute_backend, "TOPK_REST_BATCH", int),
         "programmatic_topk": (cute_backend, "PROGRAMMATIC_TOPK", lambda value: value == "on"),
     }
     for option, (module, attribute, convert) in switches.items():
         value = getattr(args, option)
         if value:
             setattr(module, attribute, convert(value))
+    for name, value in args.topk_option:
+        cute_backend.TOPK_KERNEL_OPTIONS[name] = value
+
+
+def _topk_option(text: str):
+    """``NAME=VALUE`` for one of ``cute_backend.TOPK_KERNEL_OPTIONS``: an int, ``on``/``off`` or ``none``."""
+    from . import cute_backend
+
+    name, separator, value = text.partition("=")
+    if not separator or name not in cute_backend.TOPK_KERNEL_OPTIONS:
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=VALUE with NAME one of {sorted(cute_backend.TOPK_KERNEL_OPTIONS)}, got {text!r}")
+    words = {"on": True, "off": False, "none": None}
+    if value in words:
+        return name, words[value]
+    if value.isdigit():
+        return name, int(value)
+    raise argparse.ArgumentTypeError(f"the value of {name} must be an int, on, off or none, got {value!r}")
 
 
 def main(argv=None):
@@ -258,18 +273,16 @@ def main(argv=None):
     parser.add_argument("--precision", choices=["auto", "fp8", "exact"], default="auto")
     parser.add_argument("--tile-rows", type=int, choices=[128, 192, 256], default=None,
                         help="score-kernel q-tile rows (default: the library's)")
-    parser.add_argument("--topk-lane-list", choices=["4", "none"], default=None,
-                        help="top-k kernel: keys per lane in its fast path, or none for the exhaustive path only "
-                             "(default: the library's)")
+    parser.add_argument("--topk-option", type=_topk_option, action="append", default=[], metavar="NAME=VALUE",
+                        help="top-k kernel: set one of its options (cute_backend.TOPK_KERNEL_OPTIONS), e.g. "
+                             "rest_batch=1, lane_list_length=none, winners_in_shared=on (repeatable; default: the "
+                             "library's)")
     parser.add_argument("--host-lengths", action="store_true",
                         help="plan() gets each request's (query, context) lengths as host ints, as a server has them "
                              "(the page-chunk model then balances the actual batch)")
     parser.add_argument("--issue-ring", choices=["none", "commit", "progress"], default=None,
                         help="score kernel (256-row tiles): consumer warpgroups issue their wgmmas in turn, passing "
                              "the turn on once committed or once three of four k-blocks are done "
-                             "(default: the library's)")
-    parser.add_argument("--topk-rest-batch", type=int, choices=[1, 2, 4, 8], default=None,
-                        help="top-k kernel: columns past a lane's cached ones loaded this many per loop trip "
                              "(default: the library's)")
     parser.add_argument("--programmatic-topk", choices=["on", "off"], default=None,
                         help="launch the top-k as a programmatic dependent of the score kernel (default: the library's)")

@@ -111,6 +111,9 @@ def variants():
     yield "topk_select", TopkSelectKernel(), topk_kernel_fake_arguments(), None
     yield "topk_select_rest_batch1", TopkSelectKernel(rest_batch=1), topk_kernel_fake_arguments(), None
     yield "topk_select_programmatic", TopkSelectKernel(programmatic_launch=True), topk_kernel_fake_arguments(), None
+    lean = dict(saturating_u16_levels=True, row_range_by_redux=True, winners_in_shared=True, longest_rows_first=True)
+    yield "topk_select_lean_40_registers", TopkSelectKernel(**lean, max_registers=40), topk_kernel_fake_arguments(), None
+    yield "topk_select_32_registers", TopkSelectKernel(max_registers=32), topk_kernel_fake_arguments(), None
 
 
 def run_compile_check(kernel_variants, description: str, argv=None) -> int:
@@ -142,6 +145,9 @@ def run_compile_check(kernel_variants, description: str, argv=None) -> int:
             failures.append(f"{name}: ptxas reports {usage['spill_bytes']} spill bytes")
         if usage and usage["wgmma_serialized"]:
             failures.append(f"{name}: ptxas serialises the wgmmas (C7514)")
+        limit = getattr(kernel, "max_registers", None)
+        if usage and limit and usage["registers"] > limit:
+            failures.append(f"{name}: {usage['registers']} registers above its limit of {limit}")
         budget_error = _register_budget_error(kernel, ptx, usage)
         if budget_error:
             failures.append(f"{name}: {budget_error}")

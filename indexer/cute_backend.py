@@ -40,16 +40,23 @@ PROGRAMMATIC_TOPK = False
 ``PageScoreKernelSm90(release_dependents=True)``): its CTAs are scheduled on the SMs the score kernel's tail frees and
 wait there for the scores; the result is the same bit for bit. Opt-in until measured (docs/STATUS.md)."""
 
-TOPK_LANE_LIST_LENGTH = 4
-"""Keys per lane in the top-k kernel's fast path (4), or None for the exhaustive path only; the result is the same
-bit for bit, the speed differs (docs/PERFORMANCE.md)."""
-
-TOPK_REST_BATCH = 4
-"""Top-k kernel: columns beyond a lane's cached slots (rows of more than 512 history pages) are loaded this many at a
-time (``TopkSelectKernel(rest_batch=...)``: 1, 2, 4 or 8); the result is the same bit for bit. 4 measured 1-2 %
-faster weighted (up to 29 % on short queries over long contexts, 3-5 % slower on rows without a rest) than 1
-(docs/PERFORMANCE.md, session 8)."""
-
+TOPK_KERNEL_OPTIONS = dict(
+    lane_list_length=4,
+    rest_batch=4,
+    saturating_u16_levels=False,
+    row_range_by_redux=False,
+    winners_in_shared=False,
+    longest_rows_first=False,
+    max_registers=None,
+)
+"""``TopkSelectKernel``'s constructor options; every choice selects the same pages bit for bit, the speed differs.
+``lane_list_length`` 4 (keys per lane in the fast path; None: the exhaustive path only) and ``rest_batch`` 4 (columns
+beyond a lane's cached slots loaded four per loop trip) were chosen by measurement (docs/PERFORMANCE.md, sessions 5
+and 8). The other five are opt-ins built in session 9 to cut the kernel's integer-pipe work and its per-row latency
+(docs/STATUS.md), not yet measured: one float-to-u16 conversion per key instead of a clamp and a conversion, the row's
+min and max by a tree in each lane and one ``redux.sync`` each across the warp, the ranked winners collected in
+shared memory instead of a compare and select per round, CTAs started from the longest rows, and a register limit
+(more CTAs per SM)."""
 
 @functools.cache
 def dsl_version() -> str:
@@ -161,9 +168,9 @@ def run_topk_select(scores: torch.Tensor, num_valid_pages: torch.Tensor, out: to
             as_cute_tensor(out, leading_dim=1, align=4),
             cute_stream(),
         )
-        lane_list_length, rest_batch, programmatic = TOPK_LANE_LIST_LENGTH, TOPK_REST_BATCH, PROGRAMMATIC_TOPK
-        kernel = compile_once(("topk_select", lane_list_length, rest_batch, programmatic, dsl_version()),
-                              lambda: TopkSelectKernel(lane_list_length, rest_batch, programmatic), arguments)
+        options, programmatic = dict(TOPK_KERNEL_OPTIONS), PROGRAMMATIC_TOPK
+        kernel = compile_once(("topk_select", tuple(sorted(options.items())), programmatic, dsl_version()),
+                              lambda: TopkSelectKernel(programmatic_launch=programmatic, **options), arguments)
         kernel(*arguments)
 
 

@@ -163,18 +163,34 @@ def test_fp8_selection_is_right_up_to_the_fp8_error_bound():
     assert bool(widened.all())
 
 
-@pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
-@pytest.mark.parametrize("rest_batch", [1, 4])
-def test_gpu_topk_matches_the_torch_topk_bitwise(rest_batch, monkeypatch):
+# the top-k kernel's options that change its code, never its result (cute_backend.TOPK_KERNEL_OPTIONS)
+LEAN_TOPK = dict(saturating_u16_levels=True, row_range_by_redux=True, winners_in_shared=True, longest_rows_first=True,
+                 max_registers=40)
+TOPK_OPTION_SETS = {"default": {}, "rest_batch_1": dict(rest_batch=1), "lean": LEAN_TOPK,
+                    "lean_rest_batch_1": dict(LEAN_TOPK, rest_batch=1), "32_registers": dict(max_registers=32)}
+
+
+def use_topk_options(monkeypatch, **options):
     from indexer import cute_backend
 
-    monkeypatch.setattr(cute_backend, "TOPK_REST_BATCH", rest_batch)
+    monkeypatch.setattr(cute_backend, "TOPK_KERNEL_OPTIONS", dict(cute_backend.TOPK_KERNEL_OPTIONS, **options))
+
+
+@pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
+@pytest.mark.parametrize("option_set", TOPK_OPTION_SETS)
+def test_gpu_topk_matches_the_torch_topk_bitwise(option_set, monkeypatch):
+    use_topk_options(monkeypatch, **TOPK_OPTION_SETS[option_set])
     generator = torch.Generator().manual_seed(11)
-    # random rows of many magnitudes, ties, all-equal rows, few-ulp ranges at large magnitude (clamp to 0)
+    # random rows of many magnitudes, ties, all-equal rows, few-ulp ranges at large magnitude (clamps at both ends)
     scores = torch.randn(3000, 9000, generator=generator) * torch.logspace(-30, 30, 3000)[:, None]
     scores[:100] = torch.randint(-2, 3, (100, 9000), generator=generator).float()
     scores[100:120] = 3.25
     scores[120:200] = 1.0e6 + torch.randint(0, 4, (80, 9000), generator=generator).float() * 2.0**-4
+    # signed zeros beside tiny values (the warp min/max may return either zero), and subnormal rows
+    signed_zeros = torch.tensor([-0.0, 0.0, 1e-3, -1e-3])
+    scores[200:240] = signed_zeros[torch.randint(0, 4, (40, 9000), generator=generator)]
+    scores[240:250] = signed_zeros[torch.randint(0, 2, (10, 9000), generator=generator)]
+    scores[250:290] = torch.randn(40, 9000, generator=generator) * 1e-42
     valid = torch.randint(1, 9001, (3000,), generator=generator, dtype=torch.int32)
     valid[:40] = 9001
     valid[40:60] = torch.arange(1, 21, dtype=torch.int32)
@@ -190,16 +206,13 @@ def test_gpu_topk_matches_the_torch_topk_bitwise(rest_batch, monkeypatch):
 
 
 @pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
-@pytest.mark.parametrize("rest_batch", [1, 4])
+@pytest.mark.parametrize("option_set", TOPK_OPTION_SETS)
 @pytest.mark.parametrize("lane_list_length", [4, None])
-def test_gpu_topk_paths_and_the_fast_paths_fallback_match_torch_bitwise(lane_list_length, rest_batch, monkeypatch):
+def test_gpu_topk_paths_and_the_fast_paths_fallback_match_torch_bitwise(lane_list_length, option_set, monkeypatch):
     """Every row length around the kernel's path boundaries (8 / 12 / 16 / 24 cached slots, the re-read
     beyond), and rows built so that one lane holds most of the top 15: the fast path must hand them
     to the exhaustive one (a lane keeps only its 4 best keys), with the same result."""
-    from indexer import cute_backend
-
-    monkeypatch.setattr(cute_backend, "TOPK_LANE_LIST_LENGTH", lane_list_length)
-    monkeypatch.setattr(cute_backend, "TOPK_REST_BATCH", rest_batch)
+    use_topk_options(monkeypatch, lane_list_length=lane_list_length, **TOPK_OPTION_SETS[option_set])
     generator = torch.Generator().manual_seed(12)
     boundaries = [17, 18, 33, 47, 48, 49, 256, 257, 258, 300, 384, 385, 386, 512, 513, 514, 700, 768, 769, 770, 800,
                   1025, 4000]
@@ -249,8 +262,8 @@ def test_programmatic_topk_launch_selects_the_same_pages_eagerly_and_in_graph_re
             assert torch.equal(replayed, eager)
         selections[programmatic] = eager
     assert torch.equal(selections[True], selections[False])
-    # key: ("topk_select", lane_list_length, rest_batch, programmatic_launch, DSL version, device)
-    assert any(key[0] == "topk_select" and key[3] is True for key in cute_backend._compiled)
+    # key: ("topk_select", options, programmatic_launch, DSL version, device)
+    assert any(key[0] == "topk_select" and key[2] is True for key in cute_backend._compiled)
 
 
 @pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")

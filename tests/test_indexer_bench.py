@@ -28,8 +28,6 @@ def test_classes_split_at_512_and_4096_query_tokens():
 
 
 SETTINGS = {
-    "--topk-lane-list": (cute_backend, "TOPK_LANE_LIST_LENGTH", {"none": None, "4": 4}),
-    "--topk-rest-batch": (cute_backend, "TOPK_REST_BATCH", {"1": 1, "4": 4}),
     "--issue-ring": (cute_backend, "SCORE_ISSUE_RING", {"progress": "progress", "commit": "commit", "none": None}),
     "--tma-stores": (cute_backend, "SCORE_TMA_STORES", {"off": False, "on": True}),
     "--programmatic-topk": (cute_backend, "PROGRAMMATIC_TOPK", {"off": False, "on": True}),
@@ -49,3 +47,24 @@ def test_each_option_sets_the_library_default_it_names(option, value, monkeypatc
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         bench.main(["--quick", option, value])
     assert getattr(module, name) == values[value] and type(getattr(module, name)) is type(values[value])
+
+
+@pytest.mark.parametrize("text, name, value", [("rest_batch=1", "rest_batch", 1), ("lane_list_length=none", "lane_list_length", None),
+                                               ("winners_in_shared=on", "winners_in_shared", True),
+                                               ("longest_rows_first=off", "longest_rows_first", False)])
+def test_topk_option_sets_one_kernel_option(text, name, value, monkeypatch):
+    options = dict(cute_backend.TOPK_KERNEL_OPTIONS)
+    monkeypatch.setattr(cute_backend, "TOPK_KERNEL_OPTIONS", options)
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bench.main(["--quick", "--topk-option", text, "--topk-option", "saturating_u16_levels=on"])
+    assert options[name] is value or options[name] == value and type(options[name]) is type(value)
+    assert options["saturating_u16_levels"] is True
+
+
+@pytest.mark.parametrize("text", ["rest_batch", "no_such_option=1", "rest_batch=fast"])
+def test_topk_option_rejects_unknown_names_and_values(text, monkeypatch, capsys):
+    monkeypatch.setattr(cute_backend, "TOPK_KERNEL_OPTIONS", dict(cute_backend.TOPK_KERNEL_OPTIONS))
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--topk-option", text])
+    assert "--topk-option" in capsys.readouterr().err

@@ -18,8 +18,11 @@ the unsigned key order under signed comparisons. The top-k kernel is bound by th
 
 from __future__ import annotations
 
+import contextlib
+
 import cutlass
 import cutlass.cute as cute
+from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -39,6 +42,29 @@ def _asm_f32(ptx: str, *operands, loc=None, ip=None):
         llvm.inline_asm(T.f32(), values, ptx, constraints, has_side_effects=False, is_align_stack=False,
                         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
     )
+
+
+@contextlib.contextmanager
+def kernel_register_limit(launcher, max_registers):
+    """Emit ``.maxnreg max_registers`` for the kernel ``launcher`` launches (None: ptxas chooses). The DSL's launch
+    options have no register limit, so the MLIR attribute ``nvvm.maxnreg`` is added to the attributes it generates for
+    the kernel (the same private hook in DSL 4.3.5 and 4.8; the compile check builds it under both)."""
+    if max_registers is None:
+        yield
+        return
+    dsl = launcher.dsl
+    generate = dsl._generate_kernel_attrs
+
+    def with_limit(config):
+        attributes = generate(config)
+        attributes["nvvm.maxnreg"] = ir.Attribute.parse(f"{int(max_registers)} : i32")
+        return attributes
+
+    dsl._generate_kernel_attrs = with_limit
+    try:
+        yield
+    finally:
+        del dsl._generate_kernel_attrs
 
 
 @dsl_user_op
@@ -63,13 +89,41 @@ def fma_rn(a, b, c, *, loc=None, ip=None):
 
 @dsl_user_op
 def truncate_to_u16_level(x, *, loc=None, ip=None):
-    """``clamp(trunc(x), 0, 65535)`` as an int32 (cvt.rzi saturates; the clamp bounds the top)."""
+    """``clamp(trunc(x), 0, 65535)`` as an int32 (cvt.rzi.sat.u32 saturates below; the clamp bounds the top)."""
     clamped = _asm_f32("min.f32 $0, $1, $2;", x, _MAX_LEVEL, loc=loc, ip=ip)
     return cutlass.Int32(
         llvm.inline_asm(T.i32(), [cutlass.Float32(clamped).ir_value(loc=loc, ip=ip)], "cvt.rzi.sat.u32.f32 $0, $1;",
                         "=r,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
                         loc=loc, ip=ip)
     )
+
+
+@dsl_user_op
+def saturate_to_u16_level(x, *, loc=None, ip=None):
+    """``clamp(trunc(x), 0, 65535)`` as an int32 in one conversion: a float-to-u16 ``cvt`` saturates at both ends
+    of the 16-bit range (NaN gives 0, as above), so no float clamp is needed."""
+    return cutlass.Int32(
+        llvm.inline_asm(T.i32(), [cutlass.Float32(x).ir_value(loc=loc, ip=ip)],
+                        "{ .reg .u16 level; cvt.rzi.sat.u16.f32 level, $1; cvt.u32.u16 $0, level; }",
+                        "=r,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                        loc=loc, ip=ip)
+    )
+
+
+# float <-> int32 whose signed order is the float order (non-NaN; -0 below +0); the map is its own inverse
+_ORDERED_S32 = "shr.s32 sign, bits, 31; and.b32 sign, sign, 0x7FFFFFFF; xor.b32 bits, bits, sign;"
+
+
+@dsl_user_op
+def warp_reduce_f32_by_redux(value, operation: str, *, loc=None, ip=None):
+    """Min or max of a float over the full warp in one integer ``redux.sync`` on order-preserving int32s: the
+    same value as five shuffle butterflies (for non-NaN inputs; of two zeros either may be returned, and the row's
+    quantisation is the same with either)."""
+    if operation not in ("min", "max"):
+        raise ValueError(f"operation must be 'min' or 'max', got {operation!r}")
+    ptx = ("{ .reg .s32 bits, sign; mov.b32 bits, $1; " + _ORDERED_S32
+           + f" redux.sync.{operation}.s32 bits, bits, 0xffffffff; " + _ORDERED_S32 + " mov.b32 $0, bits; }")
+    return _asm_f32(ptx, value, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -131,7 +185,8 @@ class TopkSelectKernel:
     short_row_slots = 8  # exhaustive path: rows of up to 256 history pages take a path of half the work
     fast_slot_paths = (12, 16)  # fast path: cached scores per lane, by row length; longer rows read the rest twice
 
-    def __init__(self, lane_list_length=4, rest_batch=4, programmatic_launch=False):
+    def __init__(self, lane_list_length=4, rest_batch=4, programmatic_launch=False, *, saturating_u16_levels=False,
+                 row_range_by_redux=False, winners_in_shared=False, longest_rows_first=False, max_registers=None):
         """``programmatic_launch``: the kernel is launched as a programmatic dependent of the kernel before it in the
         stream (``use_pdl``: its CTAs may be scheduled while that kernel's last CTAs run) and waits
         (``griddepcontrol.wait``) for that kernel to complete and its writes to be visible before reading anything,
@@ -141,14 +196,40 @@ class TopkSelectKernel:
         ``rest_batch``: columns beyond a lane's cached slots (rows of more than 512 history pages) are read
         ``rest_batch`` at a time, their loads issued together, instead of one dependent load per loop trip; rows
         of a thousand pages otherwise wait on ~16 load latencies per pass, which bounds short-query cases, where a
-        few hundred rows cannot hide them."""
-        if lane_list_length not in (None, 4):
+        few hundred rows cannot hide them.
+
+        The rest trade integer-pipe work or per-row latency, never the result:
+        ``saturating_u16_levels``: a key's level by one float-to-u16 conversion, which saturates at both ends of
+        the 16-bit range, instead of a float clamp and a u32 conversion (one min per key fewer).
+        ``row_range_by_redux``: the row's min and max by a balanced tree in each lane and one integer ``redux.sync``
+        each across the warp on order-preserving ints, instead of a chain and five shuffle butterflies each.
+        ``winners_in_shared``: each round's winner is stored to shared memory by the whole warp (one store) and
+        lane ``r`` reads rank ``r`` back at the end, instead of a compare and a select per round and lane.
+        ``longest_rows_first``: CTAs take rows from the end, where a request's longest rows are, so the last wave
+        holds short rows.
+        ``max_registers``: a register limit per thread (``.maxnreg``; None: ptxas chooses, 48 with ``rest_batch`` 4
+        under DSL 4.3.5). 40 lets 12 CTAs share an SM instead of 10, without spills; 32 lets 16, with a few
+        spilled bytes. More resident warps hide more of each row's load and ``redux`` latency."""
+        if lane_list_length is not None and (type(lane_list_length) is not int or lane_list_length != 4):
             raise ValueError(f"lane_list_length must be 4 or None, got {lane_list_length!r}")
-        if rest_batch not in (1, 2, 4, 8):
+        if type(rest_batch) is not int or rest_batch not in (1, 2, 4, 8):
             raise ValueError(f"rest_batch must be 1, 2, 4 or 8, got {rest_batch!r}")
+        switches = dict(programmatic_launch=programmatic_launch, saturating_u16_levels=saturating_u16_levels,
+                        row_range_by_redux=row_range_by_redux, winners_in_shared=winners_in_shared,
+                        longest_rows_first=longest_rows_first)
+        for name, value in switches.items():
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool, got {value!r}")
+        if max_registers is not None and (type(max_registers) is not int or not 24 <= max_registers <= 255):
+            raise ValueError(f"max_registers must be None or an int in [24, 255], got {max_registers!r}")
         self.lane_list_length = lane_list_length
         self.rest_batch = rest_batch
         self.programmatic_launch = programmatic_launch
+        self.saturating_u16_levels = saturating_u16_levels
+        self.row_range_by_redux = row_range_by_redux
+        self.longest_rows_first = longest_rows_first
+        self.winners_in_shared = winners_in_shared
+        self.max_registers = max_registers
 
     @cute.jit
     def __call__(
@@ -160,9 +241,10 @@ class TopkSelectKernel:
     ):
         rows = cute.size(mNumValidPages, mode=[0])
         grid = (rows + self.warps_per_cta - 1) // self.warps_per_cta
-        self.kernel(mScores, mNumValidPages, mOut).launch(
-            grid=(grid, 1, 1), block=(32 * self.warps_per_cta, 1, 1), stream=stream, use_pdl=self.programmatic_launch
-        )
+        launcher = self.kernel(mScores, mNumValidPages, mOut)
+        with kernel_register_limit(launcher, self.max_registers):
+            launcher.launch(grid=(grid, 1, 1), block=(32 * self.warps_per_cta, 1, 1), stream=stream,
+                            use_pdl=self.programmatic_launch)
 
     @cute.kernel
     def kernel(self, mScores: cute.Tensor, mNumValidPages: cute.Tensor, mOut: cute.Tensor):
@@ -172,10 +254,16 @@ class TopkSelectKernel:
         cta, _, _ = cute.arch.block_idx()
         lane = tidx % 32
         warp = tidx // 32
+        if cutlass.const_expr(self.longest_rows_first):
+            # a request's rows grow with their position, and CTAs start in index order: the long ones first
+            num_ctas, _, _ = cute.arch.grid_dim()
+            cta = num_ctas - 1 - cta
         row = cta * self.warps_per_cta + warp
-        # (lane, slot, warp): a lane's sorted keys, one bank per lane, so the merge's reads never conflict
+        # (lane, slot, warp): a lane's sorted keys, one bank per lane, so the merge's reads never conflict; with
+        # ``winners_in_shared`` one more slot column holds the warp's winners in rank order
+        slot_columns = self.cached_per_lane + (1 if cutlass.const_expr(self.winners_in_shared) else 0)
         sLists = cutlass.utils.SmemAllocator().allocate_tensor(
-            cutlass.Int32, cute.make_layout((32, self.cached_per_lane, self.warps_per_cta)), 16
+            cutlass.Int32, cute.make_layout((32, slot_columns, self.warps_per_cta)), 16
         )
         if row < cute.size(mNumValidPages, mode=[0]):
             num_valid = mNumValidPages[row]
@@ -210,12 +298,21 @@ class TopkSelectKernel:
         scale = quotient if usable else cutlass.Float32(0.0)
         return scale, fma_rn(-low, scale, QUANT_BIAS)
 
-    @staticmethod
-    def warp_min_max(low, high):
-        for offset in range(5):
+    @cute.jit
+    def warp_min_max(self, low, high):
+        if cutlass.const_expr(self.row_range_by_redux):
+            return warp_reduce_f32_by_redux(low, "min"), warp_reduce_f32_by_redux(high, "max")
+        for offset in cutlass.range_constexpr(5):
             low = fmin(low, cute.arch.shuffle_sync_bfly(low, offset=1 << offset))
             high = cute.arch.fmax(high, cute.arch.shuffle_sync_bfly(high, offset=1 << offset))
         return low, high
+
+    @staticmethod
+    def pairwise(values: list, combine):
+        """``combine`` over ``values`` as a balanced tree (trace time)."""
+        while len(values) > 1:
+            values = [combine(*values[i:i + 2]) if i + 1 < len(values) else values[i] for i in range(0, len(values), 2)]
+        return values[0]
 
     @staticmethod
     def compare_exchange(keys, i: int, j: int):
@@ -281,8 +378,13 @@ class TopkSelectKernel:
         high = cutlass.Float32(float("-inf"))
         for i in cutlass.range_constexpr(slots):
             cached[i] = self.read_slot(mScores, row, lane, history, i, full_slots)
-            low = fmin(low, cached[i])
-            high = cute.arch.fmax(high, cached[i])
+            if cutlass.const_expr(not self.row_range_by_redux):
+                low = fmin(low, cached[i])
+                high = cute.arch.fmax(high, cached[i])
+        if cutlass.const_expr(self.row_range_by_redux):
+            # min and max are exact, so any order gives the same value: a tree of depth log2(slots), not a chain
+            low = self.pairwise([cached[i] for i in range(slots)], fmin)
+            high = self.pairwise([cached[i] for i in range(slots)], cute.arch.fmax)
         if cutlass.const_expr(read_rest):
             for column in cutlass.range(lane + 32 * slots, history, 32 * self.rest_batch, unroll=1):
                 values = self.read_rest(mScores, row, column, history)
@@ -354,10 +456,16 @@ class TopkSelectKernel:
         page_of_lane = cutlass.Int32(-1)
         for rank in cutlass.range_constexpr(self.topk - 1):
             winner = warp_max_s32(head)
-            page_of_lane = (~winner & 0xFFFF) if lane == rank else page_of_lane
+            if cutlass.const_expr(self.winners_in_shared):
+                # every lane stores the same key (one store) and lane ``rank`` reads its own store back at the end
+                sLists[rank, self.cached_per_lane, warp] = winner
+            else:
+                page_of_lane = (~winner & 0xFFFF) if lane == rank else page_of_lane
             if cutlass.const_expr(rank < self.topk - 2):
                 position = position + cutlass.Int32(cutlass.select_(head == winner, 1, 0))
                 head = sLists[lane, position, warp]
+        if cutlass.const_expr(self.winners_in_shared):
+            page_of_lane = ~sLists[lane, self.cached_per_lane, warp] & 0xFFFF  # lanes from 15 on read no winner
         return page_of_lane, position
 
     @cute.jit
@@ -370,6 +478,8 @@ class TopkSelectKernel:
 
     @cute.jit
     def level(self, score, scale, bias):
+        if cutlass.const_expr(self.saturating_u16_levels):
+            return saturate_to_u16_level(fma_rn(score, scale, bias))
         return truncate_to_u16_level(fma_rn(score, scale, bias))
 
     @cute.jit
