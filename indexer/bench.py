@@ -204,6 +204,7 @@ def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "
                   tma_stores=_backend_setting("SCORE_TMA_STORES"),
                   topk_options=dict(_backend_setting("TOPK_KERNEL_OPTIONS")),
                   programmatic_topk=_backend_setting("PROGRAMMATIC_TOPK"),
+                  integer_row_max=_backend_setting("SCORE_INTEGER_ROW_MAX"),
                   useful_flops=useful_flops(lengths, num_heads))
     result["scores_ms"], result["scores_cv"] = time_graphs(scores_only)
     result["run_ms"], result["run_cv"] = time_graphs(runs)
@@ -232,6 +233,7 @@ def _apply_library_switches(args) -> None:
         "issue_ring": (cute_backend, "SCORE_ISSUE_RING", lambda value: None if value == "none" else value),
         "tma_stores": (cute_backend, "SCORE_TMA_STORES", lambda value: value == "on"),
         "programmatic_topk": (cute_backend, "PROGRAMMATIC_TOPK", lambda value: value == "on"),
+        "integer_row_max": (cute_backend, "SCORE_INTEGER_ROW_MAX", lambda value: value == "on"),
     }
     for option, (module, attribute, convert) in switches.items():
         value = getattr(args, option)
@@ -286,6 +288,9 @@ def main(argv=None):
                              "(default: the library's)")
     parser.add_argument("--programmatic-topk", choices=["on", "off"], default=None,
                         help="launch the top-k as a programmatic dependent of the score kernel (default: the library's)")
+    parser.add_argument("--integer-row-max", choices=["on", "off"], default=None,
+                        help="score kernel: page maxima from the scores' int32 bit patterns by three-input integer max "
+                             "(default: the library's)")
     parser.add_argument("--tma-stores", choices=["on", "off"], default=None,
                         help="score kernel (256-row tiles): whole staged blocks of row maxima leave by TMA stores "
                              "(default: the library's)")

@@ -35,6 +35,11 @@ SCORE_TMA_STORES = True
 when the score buffer allows it (16-byte aligned base, row pitch a multiple of 4 floats); the scores are the same bit
 for bit. Chosen by measurement (docs/PERFORMANCE.md, session 8)."""
 
+SCORE_INTEGER_ROW_MAX = False
+"""Score kernel: reduce each row's values to its page maximum on their int32 bit patterns with three-input integer
+max instructions (``PageScoreKernelSm90(integer_row_max=True)``), half the instructions of the float tree; the scores
+are the same values. Opt-in until measured (built in session 9, docs/STATUS.md)."""
+
 PROGRAMMATIC_TOPK = False
 """Launch the top-k as a programmatic dependent of the score kernel (``TopkSelectKernel(programmatic_launch=True)``,
 ``PageScoreKernelSm90(release_dependents=True)``): its CTAs are scheduled on the SMs the score kernel's tail frees and
@@ -140,14 +145,14 @@ class PageScoreRunner:
         from .kernels.score_sm90 import PageScoreKernelSm90
 
         issue_ring = SCORE_ISSUE_RING if self.consumer_warpgroups == 4 else None
-        release_dependents = PROGRAMMATIC_TOPK
+        release_dependents, integer_row_max = PROGRAMMATIC_TOPK, SCORE_INTEGER_ROW_MAX
         key = ("page_scores_sm90", self.num_heads, self.consumer_warpgroups, self.exact, issue_ring, tma_stores,
-               release_dependents, self.num_ctas, dsl_version())
+               release_dependents, integer_row_max, self.num_ctas, dsl_version())
         return compile_once(
             key,
             lambda: PageScoreKernelSm90(self.num_heads, consumer_warpgroups=self.consumer_warpgroups, exact=self.exact,
                                         issue_ring=issue_ring, tma_stores=tma_stores,
-                                        release_dependents=release_dependents),
+                                        release_dependents=release_dependents, integer_row_max=integer_row_max),
             (*arguments, self.num_ctas, stream),
         )
 

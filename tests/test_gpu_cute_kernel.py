@@ -83,11 +83,9 @@ def test_issue_ring_changes_the_schedule_not_the_scores(num_heads, monkeypatch):
         assert torch.equal(scores[None].nan_to_num(), scores[ring].nan_to_num()), ring
 
 
-@pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
-@pytest.mark.parametrize("num_heads", [1, 4])
-def test_page_maxima_are_exact_for_negative_zero_and_mixed_sign_pages(num_heads):
-    """Page maxima where the sign matters: pages whose scores are all negative, all zero, all positive,
-    negative but for one key (held by one lane of each quad), or of mixed signs."""
+def mixed_sign_case(num_heads):
+    """Pages whose scores are all negative, all zero, all positive, negative but for one key (held by one lane of
+    each quad), or of mixed signs."""
     case = make_case([(300, 5000), (77, 1500), (1, 129)], num_heads=num_heads, seed=5)
     q = case.q.float().abs()
     k = case.k_cache.float().abs()
@@ -99,6 +97,14 @@ def test_page_maxima_are_exact_for_negative_zero_and_mixed_sign_pages(num_heads)
     k[one_positive, 37] = k[one_positive, 37].abs()  # one key (one lane of each quad) >= 0
     k[kind == 3] *= torch.where(torch.rand(k[kind == 3].shape, generator=torch.Generator().manual_seed(1)) < 0.5, -1.0, 1.0)
     case.q, case.k_cache = q.to(case.q.dtype), k.to(case.k_cache.dtype)
+    return case
+
+
+@pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
+@pytest.mark.parametrize("num_heads", [1, 4])
+def test_page_maxima_are_exact_for_negative_zero_and_mixed_sign_pages(num_heads):
+    """Page maxima where the sign matters (``mixed_sign_case``)."""
+    case = mixed_sign_case(num_heads)
     results, _, _ = run_both(case, num_heads, pitch_extra=2)
     (_, exact), (_, kernel) = results["torch"], results["cute"]
     assert torch.equal(exact.isnan(), kernel.isnan())
@@ -110,6 +116,29 @@ def test_page_maxima_are_exact_for_negative_zero_and_mixed_sign_pages(num_heads)
     error = (kernel - exact).abs()[written]
     assert bool((error <= FP8_RELATIVE_BOUND * bound[written] + 1e-6).all()), error.max().item()
     assert torch.equal(kernel[written] == 0, exact[written] == 0)
+
+
+@pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
+@pytest.mark.parametrize("tile_rows", [128, 256])
+@pytest.mark.parametrize("num_heads", [1, 4])
+def test_integer_row_max_writes_the_same_page_maxima(num_heads, tile_rows, monkeypatch):
+    """Page maxima from the scores' bit patterns (three-input integer max, a min tree for all-negative rows): the same
+    values as the float tree, on pages of every sign mix, including all-negative and all-zero pages."""
+    from indexer import cute_backend
+
+    monkeypatch.setattr(cute_backend, "SCORE_TILE_ROWS", tile_rows)
+    case = mixed_sign_case(num_heads)
+    scores = {}
+    for integer_row_max in (False, True):
+        monkeypatch.setattr(cute_backend, "SCORE_INTEGER_ROW_MAX", integer_row_max)
+        results, _, _ = run_both(case, num_heads, pitch_extra=2)
+        scores[integer_row_max] = results["cute"][1]
+        used = {key[7] for key in cute_backend._compiled if key[0] == "page_scores_sm90"}  # key[7]: integer_row_max
+        assert integer_row_max in used
+    written = ~scores[False].isnan()
+    assert (scores[False][written] < 0).any() and (scores[False][written] == 0).any()
+    assert torch.equal(scores[False].isnan(), scores[True].isnan())
+    assert torch.equal(scores[False].nan_to_num(), scores[True].nan_to_num())
 
 
 @pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")

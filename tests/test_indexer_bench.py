@@ -31,6 +31,7 @@ SETTINGS = {
     "--issue-ring": (cute_backend, "SCORE_ISSUE_RING", {"progress": "progress", "commit": "commit", "none": None}),
     "--tma-stores": (cute_backend, "SCORE_TMA_STORES", {"off": False, "on": True}),
     "--programmatic-topk": (cute_backend, "PROGRAMMATIC_TOPK", {"off": False, "on": True}),
+    "--integer-row-max": (cute_backend, "SCORE_INTEGER_ROW_MAX", {"off": False, "on": True}),
     "--task-cost": (planner, "DEFAULT_TASK_COST", {"tile": "tile", "rows": "rows"}),
     "--task-order": (planner, "DEFAULT_TASK_ORDER", {"snake": "snake", "buckets": "buckets"}),
     "--chunk-policy": (planner, "DEFAULT_CHUNK_POLICY", {"fill_sms": "fill_sms", "balanced": "balanced"}),

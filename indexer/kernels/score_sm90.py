@@ -22,9 +22,9 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass._mlir.dialects import llvm
+from cutlass._mlir.dialects import arith, llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 from .pipelines import make_tma_pipeline
 
 from ..planner import PAGE_BEGIN_MASK, PAGE_COUNT_MASK, PAGE_COUNT_SHIFT, TOKENS_MASK, TOKENS_SHIFT, DescriptorWord
@@ -37,6 +37,33 @@ def fence_view_async_shared(*, loc=None, ip=None):
     """Make this thread's shared-memory writes visible to the async proxy (a TMA store that reads them next)."""
     llvm.inline_asm(None, [], "fence.proxy.async.shared::cta;", "", has_side_effects=True, is_align_stack=False,
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def float_bits(value, *, loc=None, ip=None):
+    """The bit pattern of an fp32 as an int32 (no instruction)."""
+    return cutlass.Int32(arith.bitcast(T.i32(), cutlass.Float32(value).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def bits_float(bits, *, loc=None, ip=None):
+    """The fp32 whose bit pattern is the int32 ``bits`` (no instruction)."""
+    return cutlass.Float32(arith.bitcast(T.f32(), cutlass.Int32(bits).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+def ternary_tree(values: list, combine):
+    """``combine`` over ``values`` as ``combine(combine(a, b), c)`` nodes (trace time): each node's inner result has
+    one use, so ptxas fuses the pair into one three-input instruction (``VIMNMX3`` for int32 min/max on sm_90)."""
+    while len(values) > 1:
+        reduced = []
+        for i in range(0, len(values), 3):
+            group = values[i:i + 3]
+            node = group[0]
+            for value in group[1:]:
+                node = combine(node, value)
+            reduced.append(node)
+        values = reduced
+    return values[0]
 
 
 class TaskDescriptor(NamedTuple):
@@ -120,6 +147,7 @@ class PageScoreKernelSm90:
         staged_pages: int = 16,
         tma_stores: bool = False,
         release_dependents: bool = False,
+        integer_row_max: bool = False,
     ):
         """``consumer_warpgroups`` = 2: 128-row tiles, each warpgroup overlaps its own wgmma and
         reduction with two accumulators (pages in pairs). 3: 192-row tiles, pages in pairs as with 2,
@@ -161,6 +189,13 @@ class PageScoreKernelSm90:
         launched after this one as a programmatic dependent (the top-k with ``programmatic_launch``) may put its
         CTAs on the SMs whose persistent CTA has finished; that kernel still waits for this one's completion before
         it reads the scores. No effect on other launches.
+
+        ``integer_row_max``: each thread reduces its 32 values of a row as int32 bit patterns, in a tree of
+        three-input nodes that ptxas issues as ``VIMNMX3`` (16 instructions instead of 31 ``FMNMX``; sm_90 has no
+        three-input float max). A float's bits order as a signed int like the float when one of the values is
+        non-negative; when the largest pattern is negative, every value is, their order is reversed, and a min tree
+        gives the max (a second pass, taken only then). The page maxima are the same values (of two zeros the
+        positive one). The row maxima were ~25 % of the kernel's stall samples (docs/PERFORMANCE.md, session 5).
         """
         if num_heads not in (1, 2, 4):
             raise ValueError(f"num_heads must be 1, 2 or 4, got {num_heads}")
@@ -194,6 +229,7 @@ class PageScoreKernelSm90:
             raise ValueError("tma_stores writes the consumers' staged blocks: it needs staged_stores")
         self.tma_stores = tma_stores
         self.release_dependents = release_dependents
+        self.integer_row_max = integer_row_max
         self.maxima_buffers = 2 if tma_stores else 1
         self.num_heads = num_heads
         self.num_consumer_warpgroups = consumer_warpgroups
@@ -632,19 +668,36 @@ class PageScoreKernelSm90:
                 if column < pages and tile_row < valid_rows and page < history:
                     mScores[row_begin + tile_row, page] = staged[i]
 
+    @cute.jit
     def _page_row_maxima(self, acc):
         """This thread's two accumulator rows reduced to their page maxima (complete in every lane of the quad)."""
         values_per_row = cute.size(acc) // 2
+        if cutlass.const_expr(self.integer_row_max):
+            return (self._quad_max(self._row_max_by_bits(acc, 0, values_per_row)),
+                    self._quad_max(self._row_max_by_bits(acc, 1, values_per_row)))
         return (self._quad_max(self._row_max(acc, 0, values_per_row)),
                 self._quad_max(self._row_max(acc, 1, values_per_row)))
 
     @staticmethod
+    def _row_values(acc, half: int, values_per_row: int) -> list:
+        return [acc[pair + 2 * half + 4 * group] for group in range(values_per_row // 2) for pair in range(2)]
+
+    @staticmethod
     def _row_max(acc, half: int, values_per_row: int):
         """Max over this thread's values of one accumulator row, as a balanced tree (trace time)."""
-        values = [acc[pair + 2 * half + 4 * group] for group in range(values_per_row // 2) for pair in range(2)]
+        values = PageScoreKernelSm90._row_values(acc, half, values_per_row)
         while len(values) > 1:
             values = [cute.arch.fmax(values[i], values[i + 1]) for i in range(0, len(values), 2)]
         return values[0]
+
+    @cute.jit
+    def _row_max_by_bits(self, acc, half: cutlass.Constexpr, values_per_row: cutlass.Constexpr):
+        """The same max as ``_row_max`` from the values' bit patterns as int32 (``integer_row_max``)."""
+        bits = [float_bits(value) for value in self._row_values(acc, half, values_per_row)]
+        largest = ternary_tree(bits, cutlass.max)
+        if largest < 0:  # every value is negative (sign bit set): a larger pattern is a smaller float
+            largest = ternary_tree(bits, cutlass.min)
+        return bits_float(largest)
 
     @staticmethod
     def _quad_max(value):
