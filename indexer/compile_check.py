@@ -128,6 +128,8 @@ def variants():
     lean = dict(saturating_u16_levels=True, row_range_by_redux=True, winners_in_shared=True, longest_rows_first=True)
     yield "topk_select_lean_40_registers", TopkSelectKernel(**lean, max_registers=40), topk_kernel_fake_arguments(), None
     yield "topk_select_32_registers", TopkSelectKernel(max_registers=32), topk_kernel_fake_arguments(), None
+    yield ("topk_select_heads_in_registers", TopkSelectKernel(heads_in_registers=True, winners_in_shared=True),
+           topk_kernel_fake_arguments(), None)
 
 
 def run_compile_check(kernel_variants, description: str, argv=None) -> int:

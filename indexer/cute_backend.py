@@ -51,17 +51,18 @@ TOPK_KERNEL_OPTIONS = dict(
     saturating_u16_levels=False,
     row_range_by_redux=False,
     winners_in_shared=False,
+    heads_in_registers=False,
     longest_rows_first=False,
     max_registers=None,
 )
 """``TopkSelectKernel``'s constructor options; every choice selects the same pages bit for bit, the speed differs.
 ``lane_list_length`` 4 (keys per lane in the fast path; None: the exhaustive path only) and ``rest_batch`` 4 (columns
 beyond a lane's cached slots loaded four per loop trip) were chosen by measurement (docs/PERFORMANCE.md, sessions 5
-and 8). The other five are opt-ins built in session 9 to cut the kernel's integer-pipe work and its per-row latency
+and 8). The other six are opt-ins built in session 9 to cut the kernel's integer-pipe work and its per-row latency
 (docs/STATUS.md), not yet measured: one float-to-u16 conversion per key instead of a clamp and a conversion, the row's
 min and max by a tree in each lane and one ``redux.sync`` each across the warp, the ranked winners collected in
-shared memory instead of a compare and select per round, CTAs started from the longest rows, and a register limit
-(more CTAs per SM)."""
+shared memory instead of a compare and select per round, the fast path's list heads in registers instead of shared
+memory, CTAs started from the longest rows, and a register limit (more CTAs per SM)."""
 
 @functools.cache
 def dsl_version() -> str:

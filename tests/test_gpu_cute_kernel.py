@@ -196,7 +196,9 @@ def test_fp8_selection_is_right_up_to_the_fp8_error_bound():
 LEAN_TOPK = dict(saturating_u16_levels=True, row_range_by_redux=True, winners_in_shared=True, longest_rows_first=True,
                  max_registers=40)
 TOPK_OPTION_SETS = {"default": {}, "rest_batch_1": dict(rest_batch=1), "lean": LEAN_TOPK,
-                    "lean_rest_batch_1": dict(LEAN_TOPK, rest_batch=1), "32_registers": dict(max_registers=32)}
+                    "lean_rest_batch_1": dict(LEAN_TOPK, rest_batch=1), "32_registers": dict(max_registers=32),
+                    "heads_in_registers": dict(heads_in_registers=True),
+                    "lean_heads_in_registers": dict(LEAN_TOPK, heads_in_registers=True)}
 
 
 def use_topk_options(monkeypatch, **options):

@@ -186,7 +186,8 @@ class TopkSelectKernel:
     fast_slot_paths = (12, 16)  # fast path: cached scores per lane, by row length; longer rows read the rest twice
 
     def __init__(self, lane_list_length=4, rest_batch=4, programmatic_launch=False, *, saturating_u16_levels=False,
-                 row_range_by_redux=False, winners_in_shared=False, longest_rows_first=False, max_registers=None):
+                 row_range_by_redux=False, winners_in_shared=False, heads_in_registers=False, longest_rows_first=False,
+                 max_registers=None):
         """``programmatic_launch``: the kernel is launched as a programmatic dependent of the kernel before it in the
         stream (``use_pdl``: its CTAs may be scheduled while that kernel's last CTAs run) and waits
         (``griddepcontrol.wait``) for that kernel to complete and its writes to be visible before reading anything,
@@ -205,6 +206,8 @@ class TopkSelectKernel:
         each across the warp on order-preserving ints, instead of a chain and five shuffle butterflies each.
         ``winners_in_shared``: each round's winner is stored to shared memory by the whole warp (one store) and
         lane ``r`` reads rank ``r`` back at the end, instead of a compare and a select per round and lane.
+        ``heads_in_registers``: the fast path's rounds take a winning lane's next key from its 4 keys in registers
+        (predicated moves) instead of from shared memory, which takes a shared-memory read off each round's chain.
         ``longest_rows_first``: CTAs take rows from the end, where a request's longest rows are, so the last wave
         holds short rows.
         ``max_registers``: a register limit per thread (``.maxnreg``; None: ptxas chooses, 48 with ``rest_batch`` 4
@@ -216,7 +219,7 @@ class TopkSelectKernel:
             raise ValueError(f"rest_batch must be 1, 2, 4 or 8, got {rest_batch!r}")
         switches = dict(programmatic_launch=programmatic_launch, saturating_u16_levels=saturating_u16_levels,
                         row_range_by_redux=row_range_by_redux, winners_in_shared=winners_in_shared,
-                        longest_rows_first=longest_rows_first)
+                        heads_in_registers=heads_in_registers, longest_rows_first=longest_rows_first)
         for name, value in switches.items():
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be a bool, got {value!r}")
@@ -229,6 +232,7 @@ class TopkSelectKernel:
         self.row_range_by_redux = row_range_by_redux
         self.longest_rows_first = longest_rows_first
         self.winners_in_shared = winners_in_shared
+        self.heads_in_registers = heads_in_registers
         self.max_registers = max_registers
 
     @cute.jit
@@ -356,11 +360,13 @@ class TopkSelectKernel:
                     self.compare_exchange(best, i, j)
         if cutlass.const_expr(longest):
             self.insert_rest(mScores, best, row, lane + 32 * slots, history, scale, bias, 4)
-        for slot in cutlass.range_constexpr(4):
-            sLists[lane, slot, warp] = best[slot]
-        sLists[lane, 4, warp] = _INT32_MIN  # an exhausted lane's head: it cannot win again
-
-        page_of_lane, position = self.take_top(sLists, lane, warp, best[0])
+        if cutlass.const_expr(self.heads_in_registers):
+            page_of_lane, position = self.take_top(sLists, lane, warp, best[0], best)
+        else:
+            for slot in cutlass.range_constexpr(4):
+                sLists[lane, slot, warp] = best[slot]
+            sLists[lane, 4, warp] = _INT32_MIN  # an exhausted lane's head: it cannot win again
+            page_of_lane, position = self.take_top(sLists, lane, warp, best[0])
         # a lane that won 4 of the first 14 rounds may hold a 5th key that belongs to the top 15
         exhaustive = warp_max_s32(position) >= 4
         if not exhaustive:
@@ -449,8 +455,10 @@ class TopkSelectKernel:
         self.write_row(mOut, row, lane, page_of_lane, history)
 
     @cute.jit
-    def take_top(self, sLists, lane, warp, head):
-        """15 rounds: the warp's largest head wins and its lane moves on to its next key (one shared-memory read).
+    def take_top(self, sLists, lane, warp, head, register_list=None):
+        """15 rounds: the warp's largest head wins and its lane moves on to its next key (one shared-memory read, or
+        with ``register_list`` — the fast path's 4 keys, ``heads_in_registers`` — the winning lane shifts that list by
+        one with predicated moves, so no round waits on shared memory; after 4 wins its head is INT32_MIN).
         Returns this lane's page (lane ``r`` holds the ``r``-th winner) and how many of the first 14 rounds it won."""
         position = cutlass.Int32(0)
         page_of_lane = cutlass.Int32(-1)
@@ -462,8 +470,15 @@ class TopkSelectKernel:
             else:
                 page_of_lane = (~winner & 0xFFFF) if lane == rank else page_of_lane
             if cutlass.const_expr(rank < self.topk - 2):
-                position = position + cutlass.Int32(cutlass.select_(head == winner, 1, 0))
-                head = sLists[lane, position, warp]
+                won = head == winner
+                position = position + cutlass.Int32(cutlass.select_(won, 1, 0))
+                if cutlass.const_expr(register_list is not None):
+                    for slot in cutlass.range_constexpr(4):
+                        following = register_list[slot + 1] if cutlass.const_expr(slot < 3) else _INT32_MIN
+                        register_list[slot] = cutlass.Int32(cutlass.select_(won, following, register_list[slot]))
+                    head = register_list[0]
+                else:
+                    head = sLists[lane, position, warp]
         if cutlass.const_expr(self.winners_in_shared):
             page_of_lane = ~sLists[lane, self.cached_per_lane, warp] & 0xFFFF  # lanes from 15 on read no winner
         return page_of_lane, position
