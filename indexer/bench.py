@@ -151,7 +151,7 @@ def schedule_balance(plan, num_ctas: int, *, cost: str = "rows") -> float:
     the share of the SMs kept busy (1.0 = perfectly balanced) when a task costs ``cost`` (``planner.TASK_COSTS``):
     its valid rows x pages (``"rows"``: useful work) or its tile's rows x pages (``"tile"``: the score kernel's time,
     since each consumer warpgroup computes its whole 64-row block whatever the valid rows)."""
-    from .planner import TASK_COSTS, decode_descriptors
+    from .planner import TASK_COSTS, decode_descriptors, task_rows
 
     if cost not in TASK_COSTS:
         raise ValueError(f"cost must be one of {TASK_COSTS}, got {cost!r}")
@@ -159,7 +159,7 @@ def schedule_balance(plan, num_ctas: int, *, cost: str = "rows") -> float:
     if count == 0:
         return 1.0
     fields = decode_descriptors(plan.descriptors[:count].cpu())
-    rows = fields["tokens"] * plan.shape.num_heads if cost == "rows" else plan.shape.tile_rows
+    rows = task_rows(fields["tokens"], plan.shape.num_heads, plan.shape.tile_rows, cost)
     work = (rows * fields["page_count"]).double()
     per_cta = torch.zeros(num_ctas, dtype=torch.float64)
     per_cta.index_add_(0, torch.arange(count) % num_ctas, work)
@@ -205,6 +205,7 @@ def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "
                   topk_options=dict(_backend_setting("TOPK_KERNEL_OPTIONS")),
                   programmatic_topk=_backend_setting("PROGRAMMATIC_TOPK"),
                   integer_row_max=_backend_setting("SCORE_INTEGER_ROW_MAX"),
+                  skip_idle_warpgroups=_backend_setting("SCORE_SKIP_IDLE_WARPGROUPS"),
                   useful_flops=useful_flops(lengths, num_heads))
     result["scores_ms"], result["scores_cv"] = time_graphs(scores_only)
     result["run_ms"], result["run_cv"] = time_graphs(runs)
@@ -234,6 +235,7 @@ def _apply_library_switches(args) -> None:
         "tma_stores": (cute_backend, "SCORE_TMA_STORES", lambda value: value == "on"),
         "programmatic_topk": (cute_backend, "PROGRAMMATIC_TOPK", lambda value: value == "on"),
         "integer_row_max": (cute_backend, "SCORE_INTEGER_ROW_MAX", lambda value: value == "on"),
+        "skip_idle_warpgroups": (cute_backend, "SCORE_SKIP_IDLE_WARPGROUPS", lambda value: value == "on"),
     }
     for option, (module, attribute, convert) in switches.items():
         value = getattr(args, option)
@@ -291,11 +293,15 @@ def main(argv=None):
     parser.add_argument("--integer-row-max", choices=["on", "off"], default=None,
                         help="score kernel: page maxima from the scores' int32 bit patterns by three-input integer max "
                              "(default: the library's)")
+    parser.add_argument("--skip-idle-warpgroups", choices=["on", "off"], default=None,
+                        help="score kernel (256-row tiles): warpgroups with no valid rows in a task skip its wgmmas "
+                             "(default: the library's)")
     parser.add_argument("--tma-stores", choices=["on", "off"], default=None,
                         help="score kernel (256-row tiles): whole staged blocks of row maxima leave by TMA stores "
                              "(default: the library's)")
-    parser.add_argument("--task-cost", choices=["rows", "tile"], default=None,
-                        help="planner: a task costs its valid rows x pages, or its tile's (default: the library's)")
+    parser.add_argument("--task-cost", choices=["rows", "tile", "warpgroup"], default=None,
+                        help="planner: a task costs its valid rows x pages, its tile's, or its active warpgroups' "
+                             "(pair with --skip-idle-warpgroups on; default: the library's)")
     parser.add_argument("--task-order", choices=["buckets", "snake"], default=None,
                         help="planner: tasks heaviest bucket first, or by exact cost with every second wave reversed "
                              "(default: the library's)")

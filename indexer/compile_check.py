@@ -109,6 +109,12 @@ def variants():
                PageScoreKernelSm90(num_heads, consumer_warpgroups=4, issue_ring="commit", tma_stores=True,
                                    integer_row_max=True),
                (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "e4m3.e4m3")
+    for num_heads in (1, 4):
+        q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments()
+        yield (f"page_scores_sm90_h{num_heads}_rows256_skip_idle_warpgroups",
+               PageScoreKernelSm90(num_heads, consumer_warpgroups=4, issue_ring="commit", tma_stores=True,
+                                   integer_row_max=True, skip_idle_warpgroups=True),
+               (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "e4m3.e4m3")
     q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments()
     yield ("page_scores_sm90_h4_rows128_integer_row_max",
            PageScoreKernelSm90(4, consumer_warpgroups=2, integer_row_max=True),

@@ -40,6 +40,11 @@ SCORE_INTEGER_ROW_MAX = False
 max instructions (``PageScoreKernelSm90(integer_row_max=True)``), half the instructions of the float tree; the scores
 are the same values. Opt-in until measured (built in session 9, docs/STATUS.md)."""
 
+SCORE_SKIP_IDLE_WARPGROUPS = False
+"""256-row tiles: a consumer warpgroup whose 64 rows lie beyond a task's valid rows (a request's last, partial tile)
+skips the task's wgmmas and reductions (``PageScoreKernelSm90(skip_idle_warpgroups=True)``); the scores are the same.
+Pairs with the planner's ``task_cost="warpgroup"``. Opt-in until measured (built in session 9, docs/STATUS.md)."""
+
 PROGRAMMATIC_TOPK = False
 """Launch the top-k as a programmatic dependent of the score kernel (``TopkSelectKernel(programmatic_launch=True)``,
 ``PageScoreKernelSm90(release_dependents=True)``): its CTAs are scheduled on the SMs the score kernel's tail frees and
@@ -147,13 +152,15 @@ class PageScoreRunner:
 
         issue_ring = SCORE_ISSUE_RING if self.consumer_warpgroups == 4 else None
         release_dependents, integer_row_max = PROGRAMMATIC_TOPK, SCORE_INTEGER_ROW_MAX
+        skip_idle = SCORE_SKIP_IDLE_WARPGROUPS and self.consumer_warpgroups == 4 and issue_ring != "progress"
         key = ("page_scores_sm90", self.num_heads, self.consumer_warpgroups, self.exact, issue_ring, tma_stores,
-               release_dependents, integer_row_max, self.num_ctas, dsl_version())
+               release_dependents, integer_row_max, skip_idle, self.num_ctas, dsl_version())
         return compile_once(
             key,
             lambda: PageScoreKernelSm90(self.num_heads, consumer_warpgroups=self.consumer_warpgroups, exact=self.exact,
                                         issue_ring=issue_ring, tma_stores=tma_stores,
-                                        release_dependents=release_dependents, integer_row_max=integer_row_max),
+                                        release_dependents=release_dependents, integer_row_max=integer_row_max,
+                                        skip_idle_warpgroups=skip_idle),
             (*arguments, self.num_ctas, stream),
         )
 

@@ -59,11 +59,13 @@ DEFAULT_CHUNK_POLICY = "balanced"
 """``balanced``: pick the chunk whose static round-robin schedule has the smallest predicted makespan (below);
 measured on the H200 (docs/PERFORMANCE.md): 373 vs 379 µs scores, 409 vs 430 µs run on the weighted cases at H = 4.
 ``fill_sms``: split each tile's history so that the plan has about one task per SM."""
-TASK_COSTS = ("rows", "tile")
+TASK_COSTS = ("rows", "tile", "warpgroup")
 DEFAULT_TASK_COST = "tile"
 """What a task costs in the ``balanced`` model and in the heavy-first order: ``rows``: its valid rows x pages (the
 useful work); ``tile``: its tile's rows x pages, which is what the score kernel spends (every consumer warpgroup
-computes its whole 64-row block, valid rows or not), so a partial tile's tasks weigh as much as a full tile's.
+computes its whole 64-row block, valid rows or not), so a partial tile's tasks weigh as much as a full tile's;
+``warpgroup``: its valid rows rounded up to whole 64-row warpgroup blocks x pages, what the kernel spends when its
+idle warpgroups skip their work (``PageScoreKernelSm90(skip_idle_warpgroups=True)``, opt-in, session 9).
 With the ``snake`` order, ``tile`` measured 3.5 % faster than ``rows`` with ``buckets`` on the quick H = 4 run and
 3.6 % on the whole suite at H = 1 (docs/PERFORMANCE.md, session 8)."""
 TASK_ORDERS = ("buckets", "snake")
@@ -73,6 +75,7 @@ DEFAULT_TASK_ORDER = "snake"
 (ties chunk-major), with every second full wave of ``num_sms`` tasks reversed, so a CTA that drew one of a wave's
 heavier tasks draws one of the next wave's lighter ones. Measured on the H200 (docs/PERFORMANCE.md, session 8):
 with ``tile`` costs, quick H = 4 run 358.7 -> 346.2 µs (scores 331.6 -> 309.3), whole suite at H = 1 99.6 -> 96.0 µs."""
+WARPGROUP_ROWS = 64  # the score kernel's rows per consumer warpgroup (one wgmma M), for task_cost="warpgroup"
 _TASK_OVERHEAD_PAGES = 2  # per-task cost (Q tile load, pipeline fill and drain) in pages of work, for the model
 BALANCED_MIN_PAGE_CHUNK = 2
 """Short queries over long contexts may need chunks below ``MIN_PAGE_CHUNK`` to give every SM a task."""
@@ -237,6 +240,15 @@ def plan_shape(
     )
 
 
+def task_rows(tokens, num_heads: int, tile_rows: int, task_cost: str):
+    """The rows a task of ``tokens`` valid tokens costs under ``task_cost`` (``TASK_COSTS``); ints or tensors."""
+    if task_cost == "rows":
+        return tokens * num_heads
+    if task_cost == "warpgroup":
+        return (tokens * num_heads + WARPGROUP_ROWS - 1) // WARPGROUP_ROWS * WARPGROUP_ROWS
+    return torch.full_like(tokens, tile_rows) if isinstance(tokens, torch.Tensor) else tile_rows
+
+
 def modelled_requests(total_q: int, max_seqlen_q: int, max_seqlen_k: int) -> tuple:
     """``(query tokens, context tokens)`` per request when only the bounds are known: full requests of
     ``max_seqlen_q`` query tokens (the last one shorter) at the end of ``max_seqlen_k`` tokens of context (exact for
@@ -263,7 +275,7 @@ def _balanced_page_chunk(requests: tuple, page_size, tile_tokens, num_heads, num
     request = torch.repeat_interleave(torch.arange(len(requests)), tiles)
     starts = (torch.arange(int(tiles.sum())) - torch.repeat_interleave(torch.cumsum(tiles, 0) - tiles, tiles)) * tile_tokens
     tokens = (q_lens[request] - starts).clamp(max=tile_tokens)
-    rows = tokens * num_heads if task_cost == "rows" else torch.full_like(tokens, tile_tokens * num_heads)
+    rows = task_rows(tokens, num_heads, tile_tokens * num_heads, task_cost)
     history = (kv_lens[request] - q_lens[request] + starts + tokens - 1) // page_size
     if int(history.sum()) == 0:
         return MIN_PAGE_CHUNK
@@ -272,11 +284,11 @@ def _balanced_page_chunk(requests: tuple, page_size, tile_tokens, num_heads, num
         chunks = (history + chunk - 1) // chunk
         if int(chunks.sum()) > _BALANCED_MODEL_MAX_TASKS:
             continue
-        task_rows = rows.repeat_interleave(chunks)
+        rows_of_tasks = rows.repeat_interleave(chunks)
         first = torch.cumsum(chunks, 0) - chunks
         index_in_tile = torch.arange(int(chunks.sum())) - first.repeat_interleave(chunks)
         pages = (history.repeat_interleave(chunks) - index_in_tile * chunk).clamp(max=chunk)
-        work = torch.sort((task_rows * (pages + _TASK_OVERHEAD_PAGES)).double(), descending=True).values
+        work = torch.sort((rows_of_tasks * (pages + _TASK_OVERHEAD_PAGES)).double(), descending=True).values
         slots = torch.arange(work.numel())
         if task_order == "snake":
             slots = snake_slots(slots, work.numel(), num_sms)
@@ -347,7 +359,7 @@ def build_task_plan(
     task_valid = torch.arange(shape.task_capacity, device=device) < task_end[-1]
     page_begin = task_chunk * shape.page_chunk
     page_count = (history[task_tile] - page_begin).clamp(min=1, max=shape.page_chunk)
-    rows = tile_tokens[task_tile] * shape.num_heads if shape.task_cost == "rows" else shape.tile_rows
+    rows = task_rows(tile_tokens[task_tile], shape.num_heads, shape.tile_rows, shape.task_cost)
     bucket = _bucket_of(rows * page_count)
 
     # Heaviest first (by bucket, or by exact cost for the snake); ties chunk-major so concurrent CTAs stream the

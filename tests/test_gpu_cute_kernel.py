@@ -142,6 +142,32 @@ def test_integer_row_max_writes_the_same_page_maxima(num_heads, tile_rows, monke
 
 
 @pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
+@pytest.mark.parametrize("task_cost", ["tile", "warpgroup"])
+@pytest.mark.parametrize("num_heads", [1, 2, 4])
+def test_idle_warpgroups_skipping_partial_tiles_write_the_same_scores(num_heads, task_cost, monkeypatch):
+    """Warpgroups whose 64 rows lie past a task's valid rows skip its pages: the same scores bit for bit, the same
+    columns written, on requests whose last tiles hold 1 to 4 active warpgroups (TMA-store and masked pitches)."""
+    from indexer import cute_backend, planner
+
+    monkeypatch.setattr(planner, "DEFAULT_TASK_COST", task_cost)
+    case = make_case([(700, 9000), (64, 20000), (1, 129), (300, 300), (129, 4000), (2048, 2100), (17, 6000)],
+                     num_heads=num_heads, seed=23)
+    cols = case.block_table.shape[1]
+    for pitch_extra in (4 + (-cols) % 4, 1):
+        scores = {}
+        for skip in (False, True):
+            monkeypatch.setattr(cute_backend, "SCORE_SKIP_IDLE_WARPGROUPS", skip)
+            results, _, _ = run_both(case, num_heads, pitch_extra=pitch_extra)
+            scores[skip] = results["cute"][1]
+            used = {key[8] for key in cute_backend._compiled if key[0] == "page_scores_sm90"}  # key[8]: skip
+            assert skip in used
+        reference = results["torch"][1]
+        assert torch.equal(scores[True].isnan(), reference.isnan()), "exactly the columns p < L, padding untouched"
+        assert torch.equal(scores[False].isnan(), scores[True].isnan())
+        assert torch.equal(scores[False].nan_to_num(), scores[True].nan_to_num())
+
+
+@pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
 @pytest.mark.parametrize("num_heads", [1, 2, 4])
 def test_tma_stores_write_the_same_scores_and_nothing_else(num_heads, monkeypatch):
     """Whole staged blocks leave by TMA stores when the buffer allows it (16-byte pitch): the same scores bit for bit

@@ -90,7 +90,11 @@ def check_plan(lengths, num_heads, **kwargs):
 
     # heaviest bucket first (by valid rows or by the tile's rows, as the plan's task cost says); offsets agree
     def task_rows(task):
-        return task["tokens"] * num_heads if shape.task_cost == "rows" else shape.tile_rows
+        if shape.task_cost == "rows":
+            return task["tokens"] * num_heads
+        if shape.task_cost == "warpgroup":  # whole 64-row blocks of the kernel's consumer warpgroups
+            return -(-task["tokens"] * num_heads // 64) * 64
+        return shape.tile_rows
 
     buckets = [sum(task_rows(t) * t["page_count"] >= th for th in BUCKET_THRESHOLDS) for t in tasks]
     if shape.task_order == "snake":
@@ -132,7 +136,7 @@ lengths_strategy = st.lists(
     num_heads=st.sampled_from([1, 2, 4]),
     tile_rows=st.sampled_from([None, 256]),
     chunk_policy=st.sampled_from(["fill_sms", "balanced"]),
-    task_cost=st.sampled_from(["rows", "tile"]),
+    task_cost=st.sampled_from(["rows", "tile", "warpgroup"]),
     task_order=st.sampled_from(["buckets", "snake"]),
     num_sms=st.sampled_from([3, 16, 132]),
 )
@@ -367,6 +371,31 @@ def test_tile_task_cost_balances_partial_tiles_by_what_the_kernel_spends():
     assert schedule_balance(tile_plan, 132, cost="tile") > schedule_balance(rows_plan, 132, cost="tile") + 0.1
     with pytest.raises(ValueError, match="task_cost"):
         plan_shape(num_requests=1, total_q=8, num_heads=1, page_size=128, max_seqlen_q=8, max_seqlen_k=800, task_cost="x")
+
+
+def test_warpgroup_task_cost_counts_whole_64_row_blocks():
+    """With idle warpgroups skipping their work, a task costs its valid rows rounded up to the kernel's 64-row
+    warpgroup blocks: 338 tokens at H = 1 are a 256-row tile and an 82-row one, which costs 128 rows."""
+    from indexer.bench import schedule_balance
+    from indexer.planner import task_rows
+
+    assert [task_rows(tokens, heads, 256, "warpgroup") for tokens, heads in ((82, 1), (1, 4), (16, 4), (17, 4), (64, 4))] \
+        == [128, 64, 64, 128, 256]
+    assert task_rows(82, 1, 256, "tile") == 256 and task_rows(82, 1, 256, "rows") == 82
+    assert torch.equal(task_rows(torch.tensor([82, 256]), 1, 256, "warpgroup"), torch.tensor([128, 256]))
+    lengths = [(338, 74_578)]
+    plans = {cost: build(lengths, 1, tile_rows=256, task_cost=cost, request_lengths=lengths) for cost in ("tile", "warpgroup")}
+    assert plans["warpgroup"][1].task_cost == "warpgroup"
+    assert {-(-task["tokens"] // 64) * 64 for task in tasks_of(plans["warpgroup"][0])} == {256, 128}
+
+    def skipping_kernel_makespan(plan):  # what a kernel that skips idle warpgroups spends per CTA
+        per_cta = [0] * 132
+        for index, task in enumerate(tasks_of(plan)):
+            per_cta[index % 132] += -(-task["tokens"] // 64) * 64 * (task["page_count"] + 2)
+        return max(per_cta)
+
+    assert skipping_kernel_makespan(plans["warpgroup"][0]) <= skipping_kernel_makespan(plans["tile"][0])
+    assert 0 < schedule_balance(plans["warpgroup"][0], 132, cost="warpgroup") <= 1
 
 
 def test_kernel_time_balance_counts_a_partial_tile_in_full():

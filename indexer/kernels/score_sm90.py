@@ -148,6 +148,7 @@ class PageScoreKernelSm90:
         tma_stores: bool = False,
         release_dependents: bool = False,
         integer_row_max: bool = False,
+        skip_idle_warpgroups: bool = False,
     ):
         """``consumer_warpgroups`` = 2: 128-row tiles, each warpgroup overlaps its own wgmma and
         reduction with two accumulators (pages in pairs). 3: 192-row tiles, pages in pairs as with 2,
@@ -196,6 +197,12 @@ class PageScoreKernelSm90:
         non-negative; when the largest pattern is negative, every value is, their order is reversed, and a min tree
         gives the max (a second pass, taken only then). The page maxima are the same values (of two zeros the
         positive one). The row maxima were ~25 % of the kernel's stall samples (docs/PERFORMANCE.md, session 5).
+
+        ``skip_idle_warpgroups`` (4 consumer warpgroups, no ``"progress"`` ring): a warpgroup whose 64 rows all lie
+        beyond the task's valid rows (a request's last, partial tile) issues no wgmmas and reduces nothing; it only
+        waits for each page, passes the issue token on and releases the page, so the active warpgroups have the
+        tensor cores to themselves. Such a task then costs about its active warpgroups' share of a full one (the
+        planner's ``task_cost="warpgroup"``).
         """
         if num_heads not in (1, 2, 4):
             raise ValueError(f"num_heads must be 1, 2 or 4, got {num_heads}")
@@ -230,6 +237,9 @@ class PageScoreKernelSm90:
         self.tma_stores = tma_stores
         self.release_dependents = release_dependents
         self.integer_row_max = integer_row_max
+        if skip_idle_warpgroups and (consumer_warpgroups != 4 or issue_ring == "progress"):
+            raise ValueError("skip_idle_warpgroups needs 4 consumer warpgroups and no 'progress' issue ring")
+        self.skip_idle_warpgroups = skip_idle_warpgroups
         self.maxima_buffers = 2 if tma_stores else 1
         self.num_heads = num_heads
         self.num_consumer_warpgroups = consumer_warpgroups
@@ -496,32 +506,21 @@ class PageScoreKernelSm90:
                     self._store_page(acc_odd, rows, mScores, page + 1)
             else:
                 # One accumulator per warpgroup: while one warpgroup reduces, the others' wgmmas run.
-                for page_offset in cutlass.range(page_count, unroll=1):
-                    acc = cute.make_rmem_tensor(tScS.shape, cutlass.Float32)
-                    k_read_state = self._issue_page(tiled_mma, acc, tSrQ, tSrK, q_state, k_pipeline, k_read_state,
-                                                    consumer_warpgroup)
-                    if cutlass.const_expr(self.issue_ring == "progress"):
-                        warpgroup.wait_group(1)
-                        self._pass_issue_token(consumer_warpgroup)
-                    warpgroup.wait_group(0)
-                    k_release_state = self._release_page(k_pipeline, k_release_state)
-                    if cutlass.const_expr(self.tma_stores):
-                        slot = page_offset % self.staged_pages
-                        self._stage_page(acc, rows, sMaxima[None, None, staging_buffer, consumer_warpgroup],
-                                         consumer_warpgroup, slot)
-                        if slot == self.staged_pages - 1 or page_offset == page_count - 1:
-                            self._flush_staged_maxima(sMaxima[None, None, staging_buffer, consumer_warpgroup], rows,
-                                                      mScores, tma_atom_scores, mScores_tma, consumer_warpgroup,
-                                                      page_begin + page_offset - slot, slot + 1)
-                            staging_buffer = 1 - staging_buffer
-                    elif cutlass.const_expr(self.staged_stores):
-                        slot = page_offset % self.staged_pages
-                        self._stage_page(acc, rows, sMaxima[None, None, 0, consumer_warpgroup], consumer_warpgroup, slot)
-                        if slot == self.staged_pages - 1 or page_offset == page_count - 1:
-                            self._write_staged_maxima(sMaxima[None, None, 0, consumer_warpgroup], rows, mScores,
-                                                      consumer_warpgroup, page_begin + page_offset - slot, slot + 1)
+                if cutlass.const_expr(self.skip_idle_warpgroups):
+                    if consumer_warpgroup * self.rows_per_consumer_warpgroup < rows.valid_rows:
+                        k_read_state, k_release_state, staging_buffer = self._score_pages(
+                            tiled_mma, tSrQ, tSrK, tScS, q_state, k_pipeline, k_read_state, k_release_state, rows,
+                            sMaxima, mScores, tma_atom_scores, mScores_tma, consumer_warpgroup, staging_buffer,
+                            page_begin, page_count)
                     else:
-                        self._store_page(acc, rows, mScores, page_begin + page_offset)
+                        for _ in cutlass.range(page_count, unroll=1):
+                            k_read_state = self._pass_page(k_pipeline, k_read_state, consumer_warpgroup)
+                            k_release_state = self._release_page(k_pipeline, k_release_state)
+                else:
+                    k_read_state, k_release_state, staging_buffer = self._score_pages(
+                        tiled_mma, tSrQ, tSrK, tScS, q_state, k_pipeline, k_read_state, k_release_state, rows,
+                        sMaxima, mScores, tma_atom_scores, mScores_tma, consumer_warpgroup, staging_buffer,
+                        page_begin, page_count)
             q_pipeline.consumer_release(q_state)
             q_state.advance()
         if cutlass.const_expr(self.issue_ring is not None):
@@ -531,6 +530,51 @@ class PageScoreKernelSm90:
         if cutlass.const_expr(self.tma_stores):
             if consumer_tidx % self.threads_per_warpgroup == 0:
                 cute.arch.cp_async_bulk_wait_group(0)  # shared memory must outlive the last store's reads
+
+    @cute.jit
+    def _score_pages(self, tiled_mma, tSrQ, tSrK, tScS, q_state, k_pipeline, k_read_state, k_release_state, rows,
+                     sMaxima, mScores, tma_atom_scores, mScores_tma, consumer_warpgroup, staging_buffer, page_begin,
+                     page_count):
+        """One accumulator per warpgroup: the task's pages, each issued, waited on, reduced and stored (staged)."""
+        for page_offset in cutlass.range(page_count, unroll=1):
+            acc = cute.make_rmem_tensor(tScS.shape, cutlass.Float32)
+            k_read_state = self._issue_page(tiled_mma, acc, tSrQ, tSrK, q_state, k_pipeline, k_read_state,
+                                            consumer_warpgroup)
+            if cutlass.const_expr(self.issue_ring == "progress"):
+                warpgroup.wait_group(1)
+                self._pass_issue_token(consumer_warpgroup)
+            warpgroup.wait_group(0)
+            k_release_state = self._release_page(k_pipeline, k_release_state)
+            if cutlass.const_expr(self.tma_stores):
+                slot = page_offset % self.staged_pages
+                self._stage_page(acc, rows, sMaxima[None, None, staging_buffer, consumer_warpgroup],
+                                 consumer_warpgroup, slot)
+                if slot == self.staged_pages - 1 or page_offset == page_count - 1:
+                    self._flush_staged_maxima(sMaxima[None, None, staging_buffer, consumer_warpgroup], rows,
+                                              mScores, tma_atom_scores, mScores_tma, consumer_warpgroup,
+                                              page_begin + page_offset - slot, slot + 1)
+                    staging_buffer = 1 - staging_buffer
+            elif cutlass.const_expr(self.staged_stores):
+                slot = page_offset % self.staged_pages
+                self._stage_page(acc, rows, sMaxima[None, None, 0, consumer_warpgroup], consumer_warpgroup, slot)
+                if slot == self.staged_pages - 1 or page_offset == page_count - 1:
+                    self._write_staged_maxima(sMaxima[None, None, 0, consumer_warpgroup], rows, mScores,
+                                              consumer_warpgroup, page_begin + page_offset - slot, slot + 1)
+            else:
+                self._store_page(acc, rows, mScores, page_begin + page_offset)
+        return k_read_state, k_release_state, staging_buffer
+
+    @cute.jit
+    def _pass_page(self, k_pipeline, k_read_state, consumer_warpgroup):
+        """An idle warpgroup's turn at a page (``skip_idle_warpgroups``): wait for it as the others do, so its release
+        stays in the page's phase, and pass the issue token on without issuing anything."""
+        k_pipeline.consumer_wait(k_read_state)
+        if cutlass.const_expr(self.issue_ring is not None):
+            self._wait_issue_token(consumer_warpgroup)
+            self._pass_issue_token(consumer_warpgroup)
+        next_state = k_read_state.clone()
+        next_state.advance()
+        return next_state
 
     def _local_page(self, position_begin, tile_row):
         """L of a tile row: its token's local page, so pages [0, L) are its history (trace-time helper)."""
