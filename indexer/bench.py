@@ -204,6 +204,7 @@ def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "
                   tma_stores=_backend_setting("SCORE_TMA_STORES"),
                   topk_options=dict(_backend_setting("TOPK_KERNEL_OPTIONS")),
                   programmatic_topk=_backend_setting("PROGRAMMATIC_TOPK"),
+                  topk_row_split_max_rows=_backend_setting("TOPK_ROW_SPLIT_MAX_ROWS"),
                   integer_row_max=_backend_setting("SCORE_INTEGER_ROW_MAX"),
                   skip_idle_warpgroups=_backend_setting("SCORE_SKIP_IDLE_WARPGROUPS"),
                   useful_flops=useful_flops(lengths, num_heads))
@@ -234,12 +235,13 @@ def _apply_library_switches(args) -> None:
         "issue_ring": (cute_backend, "SCORE_ISSUE_RING", lambda value: None if value == "none" else value),
         "tma_stores": (cute_backend, "SCORE_TMA_STORES", lambda value: value == "on"),
         "programmatic_topk": (cute_backend, "PROGRAMMATIC_TOPK", lambda value: value == "on"),
+        "topk_row_split_max_rows": (cute_backend, "TOPK_ROW_SPLIT_MAX_ROWS", int),
         "integer_row_max": (cute_backend, "SCORE_INTEGER_ROW_MAX", lambda value: value == "on"),
         "skip_idle_warpgroups": (cute_backend, "SCORE_SKIP_IDLE_WARPGROUPS", lambda value: value == "on"),
     }
     for option, (module, attribute, convert) in switches.items():
         value = getattr(args, option)
-        if value:
+        if value is not None:
             setattr(module, attribute, convert(value))
     for name, value in args.topk_option:
         cute_backend.TOPK_KERNEL_OPTIONS[name] = value
@@ -288,6 +290,9 @@ def main(argv=None):
                         help="score kernel (256-row tiles): consumer warpgroups issue their wgmmas in turn, passing "
                              "the turn on once committed or once three of four k-blocks are done "
                              "(default: the library's)")
+    parser.add_argument("--topk-row-split-max-rows", type=int, default=None, metavar="N",
+                        help="top-k: launches of at most N rows of more than 512 pages take one CTA of 4 warps per row "
+                             "(0: never; default: the library's)")
     parser.add_argument("--programmatic-topk", choices=["on", "off"], default=None,
                         help="launch the top-k as a programmatic dependent of the score kernel (default: the library's)")
     parser.add_argument("--integer-row-max", choices=["on", "off"], default=None,

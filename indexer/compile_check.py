@@ -136,6 +136,9 @@ def variants():
     yield "topk_select_32_registers", TopkSelectKernel(max_registers=32), topk_kernel_fake_arguments(), None
     yield ("topk_select_heads_in_registers", TopkSelectKernel(heads_in_registers=True, winners_in_shared=True),
            topk_kernel_fake_arguments(), None)
+    yield "topk_select_4_warps_per_row", TopkSelectKernel(warps_per_row=4), topk_kernel_fake_arguments(), None
+    yield ("topk_select_4_warps_per_row_lean", TopkSelectKernel(warps_per_row=4, **lean, max_registers=40),
+           topk_kernel_fake_arguments(), None)
 
 
 def run_compile_check(kernel_variants, description: str, argv=None) -> int:

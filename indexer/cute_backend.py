@@ -69,6 +69,16 @@ min and max by a tree in each lane and one ``redux.sync`` each across the warp, 
 shared memory instead of a compare and select per round, the fast path's list heads in registers instead of shared
 memory, CTAs started from the longest rows, and a register limit (more CTAs per SM)."""
 
+TOPK_ROW_SPLIT_MAX_ROWS = 0
+"""Top-k launches of at most this many rows whose buffer has more than ``TOPK_ROW_SPLIT_MIN_COLUMNS`` columns give each
+row a CTA of 4 warps (``TopkSelectKernel(warps_per_row=4)``) instead of one warp: few long rows (short queries over
+long contexts) are bound by each row's chain of loads, which the split cuts by four. 0: never. The selection is the
+same bit for bit. Opt-in until measured (built in session 9, docs/STATUS.md)."""
+
+TOPK_ROW_SPLIT_MIN_COLUMNS = 512
+"""Rows up to 512 pages fit a warp's registers in one load per lane; only longer ones loop over the rest."""
+
+
 @functools.cache
 def dsl_version() -> str:
     # cached: a metadata lookup costs ~0.15 ms, and it is part of every launch's cache key
@@ -181,7 +191,10 @@ def run_topk_select(scores: torch.Tensor, num_valid_pages: torch.Tensor, out: to
             as_cute_tensor(out, leading_dim=1, align=4),
             cute_stream(),
         )
-        options, programmatic = dict(TOPK_KERNEL_OPTIONS), PROGRAMMATIC_TOPK
+        rows, columns = scores.shape
+        split = 0 < rows <= TOPK_ROW_SPLIT_MAX_ROWS and columns > TOPK_ROW_SPLIT_MIN_COLUMNS
+        options = dict(TOPK_KERNEL_OPTIONS, warps_per_row=TopkSelectKernel.warps_per_cta if split else 1)
+        programmatic = PROGRAMMATIC_TOPK
         kernel = compile_once(("topk_select", tuple(sorted(options.items())), programmatic, dsl_version()),
                               lambda: TopkSelectKernel(programmatic_launch=programmatic, **options), arguments)
         kernel(*arguments)

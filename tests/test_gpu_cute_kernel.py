@@ -224,13 +224,17 @@ LEAN_TOPK = dict(saturating_u16_levels=True, row_range_by_redux=True, winners_in
 TOPK_OPTION_SETS = {"default": {}, "rest_batch_1": dict(rest_batch=1), "lean": LEAN_TOPK,
                     "lean_rest_batch_1": dict(LEAN_TOPK, rest_batch=1), "32_registers": dict(max_registers=32),
                     "heads_in_registers": dict(heads_in_registers=True),
-                    "lean_heads_in_registers": dict(LEAN_TOPK, heads_in_registers=True)}
+                    "lean_heads_in_registers": dict(LEAN_TOPK, heads_in_registers=True),
+                    # every launch of these tests splits its rows over 4 warps (cute_backend.TOPK_ROW_SPLIT_MAX_ROWS)
+                    "4_warps_per_row": dict(row_split_max_rows=1 << 20),
+                    "lean_4_warps_per_row": dict(LEAN_TOPK, row_split_max_rows=1 << 20)}
 
 
-def use_topk_options(monkeypatch, **options):
+def use_topk_options(monkeypatch, row_split_max_rows=0, **options):
     from indexer import cute_backend
 
     monkeypatch.setattr(cute_backend, "TOPK_KERNEL_OPTIONS", dict(cute_backend.TOPK_KERNEL_OPTIONS, **options))
+    monkeypatch.setattr(cute_backend, "TOPK_ROW_SPLIT_MAX_ROWS", row_split_max_rows)
 
 
 @pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
@@ -271,8 +275,10 @@ def test_gpu_topk_paths_and_the_fast_paths_fallback_match_torch_bitwise(lane_lis
     to the exhaustive one (a lane keeps only its 4 best keys), with the same result."""
     use_topk_options(monkeypatch, lane_list_length=lane_list_length, **TOPK_OPTION_SETS[option_set])
     generator = torch.Generator().manual_seed(12)
-    boundaries = [17, 18, 33, 47, 48, 49, 256, 257, 258, 300, 384, 385, 386, 512, 513, 514, 700, 768, 769, 770, 800,
-                  1025, 4000]
+    # (with 4 warps per row: 8 slots per lane up to 1024 history pages, 16 up to 2048, and warps without columns
+    # below 97)
+    boundaries = [17, 18, 33, 47, 48, 49, 60, 100, 129, 256, 257, 258, 300, 384, 385, 386, 512, 513, 514, 700, 768, 769,
+                  770, 800, 1024, 1025, 1026, 2048, 2049, 2050, 4000]
     valid = torch.tensor(boundaries * 40, dtype=torch.int32)
     rows, cols = valid.shape[0], 4100
     scores = torch.randn(rows, cols, generator=generator)

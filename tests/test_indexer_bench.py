@@ -31,6 +31,7 @@ SETTINGS = {
     "--issue-ring": (cute_backend, "SCORE_ISSUE_RING", {"progress": "progress", "commit": "commit", "none": None}),
     "--tma-stores": (cute_backend, "SCORE_TMA_STORES", {"off": False, "on": True}),
     "--programmatic-topk": (cute_backend, "PROGRAMMATIC_TOPK", {"off": False, "on": True}),
+    "--topk-row-split-max-rows": (cute_backend, "TOPK_ROW_SPLIT_MAX_ROWS", {"0": 0, "4096": 4096}),
     "--integer-row-max": (cute_backend, "SCORE_INTEGER_ROW_MAX", {"off": False, "on": True}),
     "--skip-idle-warpgroups": (cute_backend, "SCORE_SKIP_IDLE_WARPGROUPS", {"off": False, "on": True}),
     "--task-cost": (planner, "DEFAULT_TASK_COST", {"tile": "tile", "rows": "rows", "warpgroup": "warpgroup"}),

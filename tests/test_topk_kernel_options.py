@@ -14,7 +14,8 @@ topk_kernel = pytest.importorskip("indexer.kernels.topk_select", reason="needs n
 
 def test_the_backend_options_are_the_kernel_constructor_options():
     parameters = inspect.signature(topk_kernel.TopkSelectKernel.__init__).parameters
-    assert set(cute_backend.TOPK_KERNEL_OPTIONS) == set(parameters) - {"self", "programmatic_launch"}
+    # programmatic_launch and warps_per_row are chosen per launch (PROGRAMMATIC_TOPK, TOPK_ROW_SPLIT_MAX_ROWS)
+    assert set(cute_backend.TOPK_KERNEL_OPTIONS) == set(parameters) - {"self", "programmatic_launch", "warps_per_row"}
     for name, value in cute_backend.TOPK_KERNEL_OPTIONS.items():
         assert type(value) is type(parameters[name].default) or None in (value, parameters[name].default)
 
@@ -24,7 +25,8 @@ def test_the_backend_options_are_the_kernel_constructor_options():
                                            (dict(winners_in_shared=1), "winners_in_shared"),
                                            (dict(longest_rows_first="yes"), "longest_rows_first"),
                                            (dict(max_registers=8), "max_registers"),
-                                           (dict(max_registers=40.0), "max_registers")])
+                                           (dict(max_registers=40.0), "max_registers"),
+                                           (dict(warps_per_row=2), "warps_per_row")])
 def test_bad_options_are_rejected_by_name(options, name):
     with pytest.raises(ValueError, match=name):
         topk_kernel.TopkSelectKernel(**options)

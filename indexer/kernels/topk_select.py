@@ -187,7 +187,7 @@ class TopkSelectKernel:
 
     def __init__(self, lane_list_length=4, rest_batch=4, programmatic_launch=False, *, saturating_u16_levels=False,
                  row_range_by_redux=False, winners_in_shared=False, heads_in_registers=False, longest_rows_first=False,
-                 max_registers=None):
+                 max_registers=None, warps_per_row=1):
         """``programmatic_launch``: the kernel is launched as a programmatic dependent of the kernel before it in the
         stream (``use_pdl``: its CTAs may be scheduled while that kernel's last CTAs run) and waits
         (``griddepcontrol.wait``) for that kernel to complete and its writes to be visible before reading anything,
@@ -212,7 +212,12 @@ class TopkSelectKernel:
         holds short rows.
         ``max_registers``: a register limit per thread (``.maxnreg``; None: ptxas chooses, 48 with ``rest_batch`` 4
         under DSL 4.3.5). 40 lets 12 CTAs share an SM instead of 10, without spills; 32 lets 16, with a few
-        spilled bytes. More resident warps hide more of each row's load and ``redux`` latency."""
+        spilled bytes. More resident warps hide more of each row's load and ``redux`` latency.
+        ``warps_per_row`` 4: one row per CTA, its columns dealt out to the four warps in 32-column stripes; each warp
+        takes its share's top 15 by the exhaustive path (keys to shared memory), the row's min and max are combined
+        through shared memory, and warp 0 merges the four lists in 15 more rounds. For few long rows (short queries
+        over long contexts), where a row's chain of loads, not the SM's throughput, sets the time; the host picks it
+        per launch (``cute_backend.TOPK_ROW_SPLIT_MAX_ROWS``)."""
         if lane_list_length is not None and (type(lane_list_length) is not int or lane_list_length != 4):
             raise ValueError(f"lane_list_length must be 4 or None, got {lane_list_length!r}")
         if type(rest_batch) is not int or rest_batch not in (1, 2, 4, 8):
@@ -225,6 +230,8 @@ class TopkSelectKernel:
                 raise ValueError(f"{name} must be a bool, got {value!r}")
         if max_registers is not None and (type(max_registers) is not int or not 24 <= max_registers <= 255):
             raise ValueError(f"max_registers must be None or an int in [24, 255], got {max_registers!r}")
+        if type(warps_per_row) is not int or warps_per_row not in (1, self.warps_per_cta):
+            raise ValueError(f"warps_per_row must be 1 or {self.warps_per_cta}, got {warps_per_row!r}")
         self.lane_list_length = lane_list_length
         self.rest_batch = rest_batch
         self.programmatic_launch = programmatic_launch
@@ -234,6 +241,8 @@ class TopkSelectKernel:
         self.winners_in_shared = winners_in_shared
         self.heads_in_registers = heads_in_registers
         self.max_registers = max_registers
+        self.warps_per_row = warps_per_row
+        self.column_stride = 32 * warps_per_row  # between a lane's consecutive columns
 
     @cute.jit
     def __call__(
@@ -244,7 +253,8 @@ class TopkSelectKernel:
         stream,
     ):
         rows = cute.size(mNumValidPages, mode=[0])
-        grid = (rows + self.warps_per_cta - 1) // self.warps_per_cta
+        rows_per_cta = self.warps_per_cta // self.warps_per_row
+        grid = (rows + rows_per_cta - 1) // rows_per_cta
         launcher = self.kernel(mScores, mNumValidPages, mOut)
         with kernel_register_limit(launcher, self.max_registers):
             launcher.launch(grid=(grid, 1, 1), block=(32 * self.warps_per_cta, 1, 1), stream=stream,
@@ -262,13 +272,22 @@ class TopkSelectKernel:
             # a request's rows grow with their position, and CTAs start in index order: the long ones first
             num_ctas, _, _ = cute.arch.grid_dim()
             cta = num_ctas - 1 - cta
-        row = cta * self.warps_per_cta + warp
         # (lane, slot, warp): a lane's sorted keys, one bank per lane, so the merge's reads never conflict; with
-        # ``winners_in_shared`` one more slot column holds the warp's winners in rank order
-        slot_columns = self.cached_per_lane + (1 if cutlass.const_expr(self.winners_in_shared) else 0)
-        sLists = cutlass.utils.SmemAllocator().allocate_tensor(
-            cutlass.Int32, cute.make_layout((32, slot_columns, self.warps_per_cta)), 16
-        )
+        # ``winners_in_shared`` or a split row one more slot column holds the warp's winners in rank order
+        collects_winners = self.winners_in_shared or self.warps_per_row > 1
+        slot_columns = self.cached_per_lane + (1 if cutlass.const_expr(collects_winners) else 0)
+        smem = cutlass.utils.SmemAllocator()
+        sLists = smem.allocate_tensor(cutlass.Int32, cute.make_layout((32, slot_columns, self.warps_per_cta)), 16)
+        if cutlass.const_expr(self.warps_per_row > 1):
+            sRange = smem.allocate_tensor(cutlass.Float32, cute.make_layout((2, self.warps_per_cta)), 16)
+            if cta < cute.size(mNumValidPages, mode=[0]):
+                self.select_split_row(mScores, mNumValidPages, mOut, sLists, sRange, cta, lane, warp)
+        else:
+            self.select_warp_row(mScores, mNumValidPages, mOut, sLists, cta * self.warps_per_cta + warp, lane, warp)
+
+    @cute.jit
+    def select_warp_row(self, mScores, mNumValidPages, mOut, sLists, row, lane, warp):
+        """One warp, one row."""
         if row < cute.size(mNumValidPages, mode=[0]):
             num_valid = mNumValidPages[row]
             history = num_valid - 1
@@ -289,9 +308,9 @@ class TopkSelectKernel:
                         exhaustive = self.select_row_fast(mScores, mOut, sLists, row, lane, warp, history, paths[1], paths[0])
                 if exhaustive:
                     if history <= 32 * self.short_row_slots:
-                        self.select_row(mScores, mOut, sLists, row, lane, warp, num_valid, self.short_row_slots)
+                        self.select_row(mScores, mOut, sLists, row, lane, warp, num_valid, self.short_row_slots, lane)
                     else:
-                        self.select_row(mScores, mOut, sLists, row, lane, warp, num_valid, self.cached_per_lane)
+                        self.select_row(mScores, mOut, sLists, row, lane, warp, num_valid, self.cached_per_lane, lane)
 
     @cute.jit
     def quantisation(self, low, high):
@@ -374,16 +393,17 @@ class TopkSelectKernel:
         return exhaustive
 
     @cute.jit
-    def first_pass(self, mScores, row, lane, history, slots: cutlass.Constexpr, full_slots: cutlass.Constexpr,
-                   read_rest: cutlass.Constexpr):
-        """The lane's first ``slots`` scores, kept in registers for the second pass, and the row's scale and bias
-        (min and max over the whole history; with ``read_rest`` the columns beyond the slots are read here and
-        again in the second pass)."""
+    def first_pass(self, mScores, row, first_column, history, slots: cutlass.Constexpr, full_slots: cutlass.Constexpr,
+                   read_rest: cutlass.Constexpr, sRange=None, lane=None, warp=None):
+        """The lane's first ``slots`` scores (columns ``first_column + column_stride * i``), kept in registers for the
+        second pass, and the row's scale and bias (min and max over the whole history; with ``read_rest`` the columns
+        beyond the slots are read here and again in the second pass; a split row combines its warps' ranges through
+        ``sRange``)."""
         cached = cute.make_rmem_tensor((slots,), cutlass.Float32)
         low = cutlass.Float32(float("inf"))
         high = cutlass.Float32(float("-inf"))
         for i in cutlass.range_constexpr(slots):
-            cached[i] = self.read_slot(mScores, row, lane, history, i, full_slots)
+            cached[i] = self.read_slot(mScores, row, first_column, history, i, full_slots)
             if cutlass.const_expr(not self.row_range_by_redux):
                 low = fmin(low, cached[i])
                 high = cute.arch.fmax(high, cached[i])
@@ -392,79 +412,143 @@ class TopkSelectKernel:
             low = self.pairwise([cached[i] for i in range(slots)], fmin)
             high = self.pairwise([cached[i] for i in range(slots)], cute.arch.fmax)
         if cutlass.const_expr(read_rest):
-            for column in cutlass.range(lane + 32 * slots, history, 32 * self.rest_batch, unroll=1):
+            stride = self.column_stride
+            for column in cutlass.range(first_column + stride * slots, history, stride * self.rest_batch, unroll=1):
                 values = self.read_rest(mScores, row, column, history)
                 for j in cutlass.range_constexpr(self.rest_batch):
                     low = fmin(low, values[j])
                     high = cute.arch.fmax(high, values[j])
         low, high = self.warp_min_max(low, high)
+        if cutlass.const_expr(self.warps_per_row > 1):
+            low, high = self.row_range_across_warps(low, high, sRange, lane, warp)
         scale, bias = self.quantisation(low, high)
         return cached, scale, bias
 
     @cute.jit
-    def read_slot(self, mScores, row, lane, history, i: cutlass.Constexpr, full_slots: cutlass.Constexpr):
-        """Column ``lane + 32 i`` of the row; a slot past the history reads column ``history - 1``, a real score
-        of the row, so min and max need no masking (its key is masked)."""
+    def read_slot(self, mScores, row, first_column, history, i: cutlass.Constexpr, full_slots: cutlass.Constexpr):
+        """Column ``first_column + column_stride * i`` of the row; a slot past the history reads column
+        ``history - 1``, a real score of the row, so min and max need no masking (its key is masked)."""
         if cutlass.const_expr(i < full_slots):
-            return mScores[row, lane + 32 * i]
-        return mScores[row, cutlass.min(lane + 32 * i, history - 1)]
+            return mScores[row, first_column + self.column_stride * i]
+        return mScores[row, cutlass.min(first_column + self.column_stride * i, history - 1)]
 
     @cute.jit
     def read_rest(self, mScores, row, column, history):
-        """Columns ``column + 32 j``, ``j < rest_batch``, loaded together; those past the history load column
-        ``history - 1``, a real score of the row, so min and max need no masking (their keys are masked)."""
+        """Columns ``column + column_stride * j``, ``j < rest_batch``, loaded together; those past the history load
+        column ``history - 1``, a real score of the row, so min and max need no masking (their keys are masked)."""
         if cutlass.const_expr(self.rest_batch == 1):
             return [mScores[row, column]]
-        return [mScores[row, cutlass.min(column + 32 * j, history - 1)] for j in range(self.rest_batch)]
+        return [mScores[row, cutlass.min(column + self.column_stride * j, history - 1)] for j in range(self.rest_batch)]
 
     @cute.jit
     def insert_rest(self, mScores, best, row, first_column, history, scale, bias, length: cutlass.Constexpr):
-        """Insert the keys of this lane's columns ``first_column, first_column + 32, ... < history`` into ``best``."""
-        for column in cutlass.range(first_column, history, 32 * self.rest_batch, unroll=1):
+        """Insert the keys of this lane's columns ``first_column + column_stride * i < history`` into ``best``."""
+        stride = self.column_stride
+        for column in cutlass.range(first_column, history, stride * self.rest_batch, unroll=1):
             values = self.read_rest(mScores, row, column, history)
             for j in cutlass.range_constexpr(self.rest_batch):
-                key = self.key_of_level(self.level(values[j], scale, bias), self.page_bits(column + 32 * j))
+                key = self.key_of_level(self.level(values[j], scale, bias), self.page_bits(column + stride * j))
                 if cutlass.const_expr(self.rest_batch > 1):
-                    key = cutlass.Int32(cutlass.select_(column + 32 * j < history, key, _INT32_MIN))
+                    key = cutlass.Int32(cutlass.select_(column + stride * j < history, key, _INT32_MIN))
                 self.insert(best, key, length)
 
     @cute.jit
-    def select_row(self, mScores, mOut, sLists, row, lane, warp, num_valid, slots: cutlass.Constexpr):
-        """The exhaustive path: every lane sorts all its keys."""
+    def select_row(self, mScores, mOut, sLists, row, lane, warp, num_valid, slots: cutlass.Constexpr, first_column,
+                   sRange=None):
+        """The exhaustive path: every lane sorts all its keys (columns ``first_column + column_stride * i``). A split
+        row's warp leaves its share's 15 best keys in shared memory instead of writing the row."""
         history = num_valid - 1
-        cached, scale, bias = self.first_pass(mScores, row, lane, history, slots, 0, slots == self.cached_per_lane)
+        cached, scale, bias = self.first_pass(mScores, row, first_column, history, slots, 0, slots == self.cached_per_lane,
+                                              sRange, lane, warp)
 
         # the lane's keys, sorted descending (padding = INT32_MIN, below every real key)
         best = cute.make_rmem_tensor((self.cached_per_lane,), cutlass.Int32)
-        page_bits = self.page_bits(lane)
+        page_bits = self.page_bits(first_column)
+        stride = self.column_stride
         for i in cutlass.range_constexpr(self.cached_per_lane):
             if cutlass.const_expr(i < slots):
-                key = self.key_of_level(self.level(cached[i], scale, bias), page_bits - 32 * i)
-                best[i] = cutlass.Int32(cutlass.select_(lane + 32 * i < history, key, _INT32_MIN))
+                key = self.key_of_level(self.level(cached[i], scale, bias), page_bits - stride * i)
+                best[i] = cutlass.Int32(cutlass.select_(first_column + stride * i < history, key, _INT32_MIN))
             else:
                 best[i] = _INT32_MIN
         for i, j in odd_even_merge_sort_network(slots):
             self.compare_exchange(best, i, j)
         if cutlass.const_expr(slots == self.cached_per_lane):
-            self.insert_rest(mScores, best, row, lane + 32 * slots, history, scale, bias, self.cached_per_lane)
+            self.insert_rest(mScores, best, row, first_column + stride * slots, history, scale, bias,
+                             self.cached_per_lane)
         for slot in cutlass.range_constexpr(self.cached_per_lane):
             sLists[lane, slot, warp] = best[slot]
 
         # A lane holds at most 15 winners, so its head never passes its 16th slot (INT32_MIN beyond ``slots``).
-        page_of_lane, _ = self.take_top(sLists, lane, warp, best[0])
+        if cutlass.const_expr(self.warps_per_row > 1):
+            self.take_top(sLists, lane, warp, best[0], collect_winners=True)
+        else:
+            page_of_lane, _ = self.take_top(sLists, lane, warp, best[0])
+            self.write_row(mOut, row, lane, page_of_lane, history)
+
+    @cute.jit
+    def select_split_row(self, mScores, mNumValidPages, mOut, sLists, sRange, row, lane, warp):
+        """``warps_per_row`` warps, one row: warp ``w`` takes columns ``32 w + lane + column_stride * i``."""
+        num_valid = mNumValidPages[row]
+        history = num_valid - 1
+        if num_valid <= self.topk:
+            if warp == 0:
+                if lane < self.topk:
+                    mOut[row, lane] = lane if lane < num_valid else -1
+        else:
+            first_column = lane + 32 * warp
+            # the same path in every warp (the row's length decides), so all reach the same barriers
+            if history <= self.column_stride * self.short_row_slots:
+                self.select_row(mScores, mOut, sLists, row, lane, warp, num_valid, self.short_row_slots, first_column,
+                                sRange)
+            else:
+                self.select_row(mScores, mOut, sLists, row, lane, warp, num_valid, self.cached_per_lane, first_column,
+                                sRange)
+            cute.arch.barrier()  # every warp's 15 best keys are in shared memory
+            if warp == 0:
+                self.merge_split_row(sLists, mOut, row, lane, history)
+
+    @cute.jit
+    def row_range_across_warps(self, low, high, sRange, lane, warp):
+        """A split row's min and max from its warps' (every lane of a warp holds its warp's)."""
+        if lane == 0:
+            sRange[0, warp] = low
+            sRange[1, warp] = high
+        cute.arch.barrier()
+        low = self.pairwise([sRange[0, part] for part in range(self.warps_per_row)], fmin)
+        high = self.pairwise([sRange[1, part] for part in range(self.warps_per_row)], cute.arch.fmax)
+        return low, high
+
+    @cute.jit
+    def merge_split_row(self, sLists, mOut, row, lane, history):
+        """Warp 0 takes the row's top 15 from its warps' lists of 15 (descending keys): lane ``w`` holds warp ``w``'s
+        list head; 15 rounds as in ``take_top``."""
+        parts = self.warps_per_row
+        part = cutlass.min(lane, parts - 1)
+        winners = self.cached_per_lane  # the slot column that holds each warp's winners by rank
+        position = cutlass.Int32(0)
+        page_of_lane = cutlass.Int32(-1)
+        head = cutlass.Int32(cutlass.select_(lane < parts, sLists[0, winners, part], _INT32_MIN))
+        for rank in cutlass.range_constexpr(self.topk - 1):
+            winner = warp_max_s32(head)
+            page_of_lane = (~winner & 0xFFFF) if lane == rank else page_of_lane
+            if cutlass.const_expr(rank < self.topk - 2):
+                position = position + cutlass.Int32(cutlass.select_(head == winner, 1, 0))
+                head = cutlass.Int32(cutlass.select_(lane < parts, sLists[position, winners, part], _INT32_MIN))
         self.write_row(mOut, row, lane, page_of_lane, history)
 
     @cute.jit
-    def take_top(self, sLists, lane, warp, head, register_list=None):
+    def take_top(self, sLists, lane, warp, head, register_list=None, collect_winners: cutlass.Constexpr = False):
         """15 rounds: the warp's largest head wins and its lane moves on to its next key (one shared-memory read, or
         with ``register_list`` — the fast path's 4 keys, ``heads_in_registers`` — the winning lane shifts that list by
         one with predicated moves, so no round waits on shared memory; after 4 wins its head is INT32_MIN).
-        Returns this lane's page (lane ``r`` holds the ``r``-th winner) and how many of the first 14 rounds it won."""
+        Returns this lane's page (lane ``r`` holds the ``r``-th winner) and how many of the first 14 rounds it won;
+        ``collect_winners``: the winning keys stay in shared memory (column ``cached_per_lane``, by rank) instead."""
         position = cutlass.Int32(0)
         page_of_lane = cutlass.Int32(-1)
         for rank in cutlass.range_constexpr(self.topk - 1):
             winner = warp_max_s32(head)
-            if cutlass.const_expr(self.winners_in_shared):
+            if cutlass.const_expr(self.winners_in_shared or collect_winners):
                 # every lane stores the same key (one store) and lane ``rank`` reads its own store back at the end
                 sLists[rank, self.cached_per_lane, warp] = winner
             else:
@@ -479,7 +563,7 @@ class TopkSelectKernel:
                     head = register_list[0]
                 else:
                     head = sLists[lane, position, warp]
-        if cutlass.const_expr(self.winners_in_shared):
+        if cutlass.const_expr(self.winners_in_shared and not collect_winners):
             page_of_lane = ~sLists[lane, self.cached_per_lane, warp] & 0xFFFF  # lanes from 15 on read no winner
         return page_of_lane, position
 
