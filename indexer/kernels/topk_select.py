@@ -53,7 +53,10 @@ def kernel_register_limit(launcher, max_registers):
         yield
         return
     dsl = launcher.dsl
-    generate = dsl._generate_kernel_attrs
+    generate = getattr(dsl, "_generate_kernel_attrs", None)
+    if generate is None:
+        raise RuntimeError("max_registers: this nvidia-cutlass-dsl has no kernel-attribute hook (known: 4.3.5 to 4.8); "
+                           "leave max_registers at None")
 
     def with_limit(config):
         attributes = generate(config)
