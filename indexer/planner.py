@@ -65,7 +65,9 @@ DEFAULT_TASK_COST = "tile"
 useful work); ``tile``: its tile's rows x pages, which is what the score kernel spends (every consumer warpgroup
 computes its whole 64-row block, valid rows or not), so a partial tile's tasks weigh as much as a full tile's;
 ``warpgroup``: its valid rows rounded up to whole 64-row warpgroup blocks x pages, what the kernel spends when its
-idle warpgroups skip their work (``PageScoreKernelSm90(skip_idle_warpgroups=True)``, opt-in, session 9).
+idle warpgroups skip their work (``PageScoreKernelSm90(skip_idle_warpgroups=True)``, opt-in, session 9); a partial
+tile's page chunk is then stretched by ``tile_rows / its rows`` (``tile_page_chunk``), so that its tasks cost about
+what a full tile's do and the round robin can balance them.
 With the ``snake`` order, ``tile`` measured 3.5 % faster than ``rows`` with ``buckets`` on the quick H = 4 run and
 3.6 % on the whole suite at H = 1 (docs/PERFORMANCE.md, session 8)."""
 TASK_ORDERS = ("buckets", "snake")
@@ -249,6 +251,15 @@ def task_rows(tokens, num_heads: int, tile_rows: int, task_cost: str):
     return torch.full_like(tokens, tile_rows) if isinstance(tokens, torch.Tensor) else tile_rows
 
 
+def tile_page_chunk(page_chunk, rows, tile_rows: int, task_cost: str):
+    """The page chunk of a tile whose tasks cost ``rows`` (``task_rows``): ``page_chunk``, stretched for a partial
+    tile under ``task_cost="warpgroup"`` (up to ``MAX_PAGE_CHUNK``); ints or tensors."""
+    if task_cost != "warpgroup":
+        return page_chunk
+    stretched = page_chunk * tile_rows // rows
+    return stretched.clamp(max=MAX_PAGE_CHUNK) if isinstance(stretched, torch.Tensor) else min(stretched, MAX_PAGE_CHUNK)
+
+
 def modelled_requests(total_q: int, max_seqlen_q: int, max_seqlen_k: int) -> tuple:
     """``(query tokens, context tokens)`` per request when only the bounds are known: full requests of
     ``max_seqlen_q`` query tokens (the last one shorter) at the end of ``max_seqlen_k`` tokens of context (exact for
@@ -281,13 +292,15 @@ def _balanced_page_chunk(requests: tuple, page_size, tile_tokens, num_heads, num
         return MIN_PAGE_CHUNK
     best = None
     for chunk in _BALANCED_CANDIDATES:
-        chunks = (history + chunk - 1) // chunk
+        tile_chunk = tile_page_chunk(torch.full_like(rows, chunk), rows, tile_tokens * num_heads, task_cost)
+        chunks = (history + tile_chunk - 1) // tile_chunk
         if int(chunks.sum()) > _BALANCED_MODEL_MAX_TASKS:
             continue
         rows_of_tasks = rows.repeat_interleave(chunks)
         first = torch.cumsum(chunks, 0) - chunks
         index_in_tile = torch.arange(int(chunks.sum())) - first.repeat_interleave(chunks)
-        pages = (history.repeat_interleave(chunks) - index_in_tile * chunk).clamp(max=chunk)
+        task_chunk = tile_chunk.repeat_interleave(chunks)
+        pages = torch.minimum(history.repeat_interleave(chunks) - index_in_tile * task_chunk, task_chunk)
         work = torch.sort((rows_of_tasks * (pages + _TASK_OVERHEAD_PAGES)).double(), descending=True).values
         slots = torch.arange(work.numel())
         if task_order == "snake":
@@ -353,13 +366,16 @@ def build_task_plan(
     # History of a tile = pages before the local page of its last token; shorter rows skip the tail.
     history = ((position_begin + tile_tokens - 1).clamp(min=0) // shape.page_size).clamp(max=shape.max_history_pages)
     history = torch.where(tile_valid, history, 0)
-    chunks = (history + shape.page_chunk - 1) // shape.page_chunk
+    tile_rows = task_rows(tile_tokens, shape.num_heads, shape.tile_rows, shape.task_cost)
+    chunk_of_tile = tile_page_chunk(shape.page_chunk, tile_rows, shape.tile_rows, shape.task_cost)
+    chunks = (history + chunk_of_tile - 1) // chunk_of_tile
     task_end = torch.cumsum(chunks, 0)
     task_tile, task_chunk = _locate(task_end, task_end - chunks, shape.task_capacity, shape.q_tile_capacity, device)
     task_valid = torch.arange(shape.task_capacity, device=device) < task_end[-1]
-    page_begin = task_chunk * shape.page_chunk
-    page_count = (history[task_tile] - page_begin).clamp(min=1, max=shape.page_chunk)
-    rows = task_rows(tile_tokens[task_tile], shape.num_heads, shape.tile_rows, shape.task_cost)
+    chunk_of_task = chunk_of_tile[task_tile] if isinstance(chunk_of_tile, torch.Tensor) else chunk_of_tile
+    page_begin = task_chunk * chunk_of_task
+    page_count = torch.minimum((history[task_tile] - page_begin).clamp(min=1), torch.as_tensor(chunk_of_task))
+    rows = tile_rows[task_tile] if isinstance(tile_rows, torch.Tensor) else tile_rows
     bucket = _bucket_of(rows * page_count)
 
     # Heaviest first (by bucket, or by exact cost for the snake); ties chunk-major so concurrent CTAs stream the
