@@ -14,6 +14,8 @@ explicit rounding (``sub.rn``, ``div.rn``, ``fma.rn``, ``cvt.rzi``) so no compil
 approximation can change a key. Keys are held as signed int32 with the top bit flipped, which keeps
 the unsigned key order under signed comparisons. The top-k kernel is bound by the integer (ALU) pipe
 (ncu, docs/PERFORMANCE.md): the list length trades its min/max count against the fallback rate.
+With ``warps_per_row=4`` (few long rows) a CTA's four warps share one row instead: each takes every fourth
+32-column stripe on the exhaustive path, and warp 0 merges their top-15 lists.
 """
 
 from __future__ import annotations
@@ -218,9 +220,10 @@ class TopkSelectKernel:
         spilled bytes. More resident warps hide more of each row's load and ``redux`` latency.
         ``warps_per_row`` 4: one row per CTA, its columns dealt out to the four warps in 32-column stripes; each warp
         takes its share's top 15 by the exhaustive path (keys to shared memory), the row's min and max are combined
-        through shared memory, and warp 0 merges the four lists in 15 more rounds. For few long rows (short queries
-        over long contexts), where a row's chain of loads, not the SM's throughput, sets the time; the host picks it
-        per launch (``cute_backend.TOPK_ROW_SPLIT_MAX_ROWS``)."""
+        through shared memory, and warp 0 merges the four lists in 15 more rounds (the fast path, so
+        ``lane_list_length`` and ``heads_in_registers``, do not apply). For few long rows (short queries over long
+        contexts), where a row's chain of loads, not the SM's throughput, sets the time; the host picks it per launch
+        (``cute_backend.TOPK_ROW_SPLIT_MAX_ROWS``)."""
         if lane_list_length is not None and (type(lane_list_length) is not int or lane_list_length != 4):
             raise ValueError(f"lane_list_length must be 4 or None, got {lane_list_length!r}")
         if type(rest_batch) is not int or rest_batch not in (1, 2, 4, 8):
