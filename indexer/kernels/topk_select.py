@@ -50,7 +50,8 @@ def _asm_f32(ptx: str, *operands, loc=None, ip=None):
 def kernel_register_limit(launcher, max_registers):
     """Emit ``.maxnreg max_registers`` for the kernel ``launcher`` launches (None: ptxas chooses). The DSL's launch
     options have no register limit, so the MLIR attribute ``nvvm.maxnreg`` is added to the attributes it generates for
-    the kernel (the same private hook in DSL 4.3.5 and 4.8; the compile check builds it under both)."""
+    the kernel (the same private hook in DSL 4.3.5 and 4.8; the compile check builds it under both). The hook is
+    the DSL's, shared by every kernel traced meanwhile: compile under one lock (``cute_backend.compile_once``)."""
     if max_registers is None:
         yield
         return
