@@ -149,8 +149,9 @@ def time_graphs(callables, warmup=5, samples=20):
 def schedule_balance(plan, num_ctas: int, *, cost: str = "rows") -> float:
     """Mean over max of the per-CTA work under the kernel's static round robin (CTA c runs tasks c, c + grid, ...):
     the share of the SMs kept busy (1.0 = perfectly balanced) when a task costs ``cost`` (``planner.TASK_COSTS``):
-    its valid rows x pages (``"rows"``: useful work) or its tile's rows x pages (``"tile"``: the score kernel's time,
-    since each consumer warpgroup computes its whole 64-row block whatever the valid rows)."""
+    its valid rows x pages (``"rows"``: useful work), its tile's rows x pages (``"tile"``: the score kernel's time,
+    since each consumer warpgroup computes its whole 64-row block whatever the valid rows), or its active
+    warpgroups' rows x pages (``"warpgroup"``: the time of a kernel whose idle warpgroups skip)."""
     from .planner import TASK_COSTS, decode_descriptors, task_rows
 
     if cost not in TASK_COSTS:
