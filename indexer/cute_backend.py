@@ -70,13 +70,10 @@ shared memory instead of a compare and select per round, the fast path's list he
 memory, CTAs started from the longest rows, and a register limit (more CTAs per SM)."""
 
 TOPK_ROW_SPLIT_MAX_ROWS = 0
-"""Top-k launches of at most this many rows whose buffer has more than ``TOPK_ROW_SPLIT_MIN_COLUMNS`` columns give each
-row a CTA of 4 warps (``TopkSelectKernel(warps_per_row=4)``) instead of one warp: few long rows (short queries over
+"""Top-k launches of at most this many rows whose buffer has more columns than a warp holds in registers (512: 16 per
+lane; longer rows loop over the rest) give each row a CTA of 4 warps (``TopkSelectKernel(warps_per_row=4)``) instead of one warp: few long rows (short queries over
 long contexts) are bound by each row's chain of loads, which the split cuts by four. 0: never. The selection is the
 same bit for bit. Opt-in until measured (built in session 9, docs/STATUS.md)."""
-
-TOPK_ROW_SPLIT_MIN_COLUMNS = 512
-"""Rows up to 512 pages fit a warp's registers in one load per lane; only longer ones loop over the rest."""
 
 
 @functools.cache
@@ -192,7 +189,7 @@ def run_topk_select(scores: torch.Tensor, num_valid_pages: torch.Tensor, out: to
             cute_stream(),
         )
         rows, columns = scores.shape
-        split = 0 < rows <= TOPK_ROW_SPLIT_MAX_ROWS and columns > TOPK_ROW_SPLIT_MIN_COLUMNS
+        split = 0 < rows <= TOPK_ROW_SPLIT_MAX_ROWS and columns > 32 * TopkSelectKernel.cached_per_lane
         options = dict(TOPK_KERNEL_OPTIONS, warps_per_row=TopkSelectKernel.warps_per_cta if split else 1)
         programmatic = PROGRAMMATIC_TOPK
         kernel = compile_once(("topk_select", tuple(sorted(options.items())), programmatic, dsl_version()),

@@ -366,16 +366,20 @@ def build_task_plan(
     # History of a tile = pages before the local page of its last token; shorter rows skip the tail.
     history = ((position_begin + tile_tokens - 1).clamp(min=0) // shape.page_size).clamp(max=shape.max_history_pages)
     history = torch.where(tile_valid, history, 0)
-    tile_rows = task_rows(tile_tokens, shape.num_heads, shape.tile_rows, shape.task_cost)
-    chunk_of_tile = tile_page_chunk(shape.page_chunk, tile_rows, shape.tile_rows, shape.task_cost)
+    rows_of_tile = task_rows(tile_tokens, shape.num_heads, shape.tile_rows, shape.task_cost)
+    chunk_of_tile = tile_page_chunk(shape.page_chunk, rows_of_tile, shape.tile_rows, shape.task_cost)
     chunks = (history + chunk_of_tile - 1) // chunk_of_tile
     task_end = torch.cumsum(chunks, 0)
     task_tile, task_chunk = _locate(task_end, task_end - chunks, shape.task_capacity, shape.q_tile_capacity, device)
     task_valid = torch.arange(shape.task_capacity, device=device) < task_end[-1]
-    chunk_of_task = chunk_of_tile[task_tile] if isinstance(chunk_of_tile, torch.Tensor) else chunk_of_tile
-    page_begin = task_chunk * chunk_of_task
-    page_count = torch.minimum((history[task_tile] - page_begin).clamp(min=1), torch.as_tensor(chunk_of_task))
-    rows = tile_rows[task_tile] if isinstance(tile_rows, torch.Tensor) else tile_rows
+    if isinstance(chunk_of_tile, torch.Tensor):  # stretched per tile (task_cost="warpgroup")
+        chunk_of_task = chunk_of_tile[task_tile]
+        page_begin = task_chunk * chunk_of_task
+        page_count = torch.minimum((history[task_tile] - page_begin).clamp(min=1), chunk_of_task)
+    else:
+        page_begin = task_chunk * chunk_of_tile
+        page_count = (history[task_tile] - page_begin).clamp(min=1, max=chunk_of_tile)
+    rows = rows_of_tile[task_tile]
     bucket = _bucket_of(rows * page_count)
 
     # Heaviest first (by bucket, or by exact cost for the snake); ties chunk-major so concurrent CTAs stream the

@@ -52,10 +52,13 @@ def test_the_four_key_network_sorts_every_order():
 
 
 @pytest.mark.parametrize("length", range(1, 18))
-def test_the_pairwise_tree_combines_every_value(length):
+def test_the_trace_time_trees_combine_every_value_once(length):
+    from indexer.kernels.trees import pairwise_tree, ternary_tree
+
     values = torch.randn(length, generator=torch.Generator().manual_seed(length)).tolist()
-    assert topk_kernel.TopkSelectKernel.pairwise(values, min) == min(values)
-    assert topk_kernel.TopkSelectKernel.pairwise(values, max) == max(values)
+    for tree in (pairwise_tree, ternary_tree):
+        assert tree(values, min) == min(values) and tree(values, max) == max(values)
+        assert tree([[value] for value in values], lambda a, b: a + b) == values  # each once, in order
 
 
 def test_either_signed_zero_as_the_row_minimum_quantises_alike():

@@ -26,6 +26,7 @@ from cutlass._mlir.dialects import arith, llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from .pipelines import make_tma_pipeline
+from .trees import pairwise_tree, ternary_tree
 
 from ..planner import PAGE_BEGIN_MASK, PAGE_COUNT_MASK, PAGE_COUNT_SHIFT, TOKENS_MASK, TOKENS_SHIFT, DescriptorWord
 
@@ -49,21 +50,6 @@ def float_bits(value, *, loc=None, ip=None):
 def bits_float(bits, *, loc=None, ip=None):
     """The fp32 whose bit pattern is the int32 ``bits`` (no instruction)."""
     return cutlass.Float32(arith.bitcast(T.f32(), cutlass.Int32(bits).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
-
-
-def ternary_tree(values: list, combine):
-    """``combine`` over ``values`` as ``combine(combine(a, b), c)`` nodes (trace time): each node's inner result has
-    one use, so ptxas fuses the pair into one three-input instruction (``VIMNMX3`` for int32 min/max on sm_90)."""
-    while len(values) > 1:
-        reduced = []
-        for i in range(0, len(values), 3):
-            group = values[i:i + 3]
-            node = group[0]
-            for value in group[1:]:
-                node = combine(node, value)
-            reduced.append(node)
-        values = reduced
-    return values[0]
 
 
 class TaskDescriptor(NamedTuple):
@@ -729,10 +715,7 @@ class PageScoreKernelSm90:
     @staticmethod
     def _row_max(acc, half: int, values_per_row: int):
         """Max over this thread's values of one accumulator row, as a balanced tree (trace time)."""
-        values = PageScoreKernelSm90._row_values(acc, half, values_per_row)
-        while len(values) > 1:
-            values = [cute.arch.fmax(values[i], values[i + 1]) for i in range(0, len(values), 2)]
-        return values[0]
+        return pairwise_tree(PageScoreKernelSm90._row_values(acc, half, values_per_row), cute.arch.fmax)
 
     @cute.jit
     def _row_max_by_bits(self, acc, half: cutlass.Constexpr, values_per_row: cutlass.Constexpr):

@@ -29,6 +29,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..contract import MAX_PAGES_PER_ROW, QUANT_BIAS, QUANT_LEVELS
+from .trees import pairwise_tree
 
 __all__ = ["TopkSelectKernel", "MAX_HISTORY_PAGES"]
 
@@ -338,13 +339,6 @@ class TopkSelectKernel:
         return low, high
 
     @staticmethod
-    def pairwise(values: list, combine):
-        """``combine`` over ``values`` as a balanced tree (trace time)."""
-        while len(values) > 1:
-            values = [combine(*values[i:i + 2]) if i + 1 < len(values) else values[i] for i in range(0, len(values), 2)]
-        return values[0]
-
-    @staticmethod
     def compare_exchange(keys, i: int, j: int):
         larger = cutlass.max(keys[i], keys[j])
         keys[j] = cutlass.min(keys[i], keys[j])
@@ -416,8 +410,8 @@ class TopkSelectKernel:
                 high = cute.arch.fmax(high, cached[i])
         if cutlass.const_expr(self.row_range_by_redux):
             # min and max are exact, so any order gives the same value: a tree of depth log2(slots), not a chain
-            low = self.pairwise([cached[i] for i in range(slots)], fmin)
-            high = self.pairwise([cached[i] for i in range(slots)], cute.arch.fmax)
+            low = pairwise_tree([cached[i] for i in range(slots)], fmin)
+            high = pairwise_tree([cached[i] for i in range(slots)], cute.arch.fmax)
         if cutlass.const_expr(read_rest):
             stride = self.column_stride
             for column in cutlass.range(first_column + stride * slots, history, stride * self.rest_batch, unroll=1):
@@ -522,8 +516,8 @@ class TopkSelectKernel:
             sRange[0, warp] = low
             sRange[1, warp] = high
         cute.arch.barrier()
-        low = self.pairwise([sRange[0, part] for part in range(self.warps_per_row)], fmin)
-        high = self.pairwise([sRange[1, part] for part in range(self.warps_per_row)], cute.arch.fmax)
+        low = pairwise_tree([sRange[0, part] for part in range(self.warps_per_row)], fmin)
+        high = pairwise_tree([sRange[1, part] for part in range(self.warps_per_row)], cute.arch.fmax)
         return low, high
 
     @cute.jit
