@@ -53,27 +53,30 @@ wait there for the scores; the result is the same bit for bit. Opt-in until meas
 TOPK_KERNEL_OPTIONS = dict(
     lane_list_length=4,
     rest_batch=4,
-    saturating_u16_levels=False,
-    row_range_by_redux=False,
-    winners_in_shared=False,
+    saturating_u16_levels=True,
+    row_range_by_redux=True,
+    winners_in_shared=True,
     heads_in_registers=False,
-    longest_rows_first=False,
-    max_registers=None,
+    longest_rows_first=True,
+    max_registers=40,
 )
 """``TopkSelectKernel``'s constructor options; every choice selects the same pages bit for bit, the speed differs.
 ``lane_list_length`` 4 (keys per lane in the fast path; None: the exhaustive path only) and ``rest_batch`` 4 (columns
 beyond a lane's cached slots loaded four per loop trip) were chosen by measurement (docs/PERFORMANCE.md, sessions 5
-and 8). The other six are opt-ins built in session 9 to cut the kernel's integer-pipe work and its per-row latency
-(docs/STATUS.md), not yet measured: one float-to-u16 conversion per key instead of a clamp and a conversion, the row's
-min and max by a tree in each lane and one ``redux.sync`` each across the warp, the ranked winners collected in
-shared memory instead of a compare and select per round, the fast path's list heads in registers instead of shared
-memory, CTAs started from the longest rows, and a register limit (more CTAs per SM)."""
+and 8). Built in session 9 and measured in session 10 (docs/PERFORMANCE.md): one float-to-u16 conversion per key
+instead of a clamp and a conversion, the row's min and max by a tree in each lane and one ``redux.sync`` each across
+the warp, the ranked winners collected in shared memory instead of a compare and select per round, CTAs started from
+the longest rows, and a 40-register limit (under DSL 4.3.5 ``rest_batch`` 4 took 48 registers, 10 CTAs per SM instead
+of 12): together 28.2 -> 26.5 µs weighted top-k at H = 4, 11.5 -> 11.0 at H = 1. The fast path's list heads in
+registers (``heads_in_registers``) measured within noise and stays off."""
 
-TOPK_ROW_SPLIT_MAX_ROWS = 0
+TOPK_ROW_SPLIT_MAX_ROWS = 2048
 """Top-k launches of at most this many rows whose buffer has more columns than a warp holds in registers (512: 16 per
-lane; longer rows loop over the rest) give each row a CTA of 4 warps (``TopkSelectKernel(warps_per_row=4)``) instead of one warp: few long rows (short queries over
-long contexts) are bound by each row's chain of loads, which the split cuts by four. 0: never. The selection is the
-same bit for bit. Opt-in until measured (built in session 9, docs/STATUS.md)."""
+lane; longer rows loop over the rest) give each row a CTA of 4 warps (``TopkSelectKernel(warps_per_row=4)``) instead
+of one warp: few long rows (short queries over long contexts) are bound by each row's chain of loads, which the split
+cuts by four. 0: never. The selection is the same bit for bit. Measured in session 10 (docs/PERFORMANCE.md): 347 rows
+over 1,028 pages 8.3 -> 5.3 µs, 1,649 rows over 1,059 pages 12.4 -> 10.8 µs; at 6,504 rows (H = 4) the split was
+slower (16.1 -> 19.9 µs: one warp per row already fills the SMs), hence 2,048."""
 
 
 @functools.cache

@@ -168,6 +168,31 @@ def test_idle_warpgroups_skipping_partial_tiles_write_the_same_scores(num_heads,
 
 
 @pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
+@pytest.mark.parametrize("page_chunk", [21, 22])
+def test_tma_stores_of_tasks_starting_off_a_16_byte_column_take_the_masked_write_out(page_chunk, monkeypatch):
+    """A page chunk that is not a multiple of 4 starts tasks on columns a TMA store cannot start on (an illegal
+    instruction on the H200 before the kernel checked it): those blocks take the masked write-out, the scores are the
+    same bit for bit as the masked pitch's, exactly the columns p < L are written."""
+    from indexer import planner
+
+    monkeypatch.setattr(planner, "_balanced_page_chunk", lambda *args: page_chunk)
+    case = make_case([(700, 9000), (2048, 6100), (17, 3000)], num_heads=1, seed=29)
+    cols = case.block_table.shape[1]
+    scores = {}
+    for pitch_extra in (4 + (-cols) % 4, 1):
+        results, _, _ = run_both(case, 1, pitch_extra=pitch_extra)
+        wrapper, scores[pitch_extra] = results["cute"]
+        assert wrapper.task_plan.shape.page_chunk == page_chunk
+        assert torch.equal(scores[pitch_extra][:, :cols].isnan(), results["torch"][1][:, :cols].isnan())
+    from indexer import cute_backend
+
+    assert {key[5] for key in cute_backend._compiled if key[0] == "page_scores_sm90"} >= {True, False}  # key[5]: TMA
+    tma, masked = scores.values()
+    assert torch.equal(tma[:, :cols].nan_to_num(), masked[:, :cols].nan_to_num())
+    assert tma[:, cols:].isnan().all(), "the padding stays untouched"
+
+
+@pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
 @pytest.mark.parametrize("num_heads", [1, 2, 4])
 def test_tma_stores_write_the_same_scores_and_nothing_else(num_heads, monkeypatch):
     """Whole staged blocks leave by TMA stores when the buffer allows it (16-byte pitch): the same scores bit for bit
@@ -218,16 +243,17 @@ def test_fp8_selection_is_right_up_to_the_fp8_error_bound():
     assert bool(widened.all())
 
 
-# the top-k kernel's options that change its code, never its result (cute_backend.TOPK_KERNEL_OPTIONS)
-LEAN_TOPK = dict(saturating_u16_levels=True, row_range_by_redux=True, winners_in_shared=True, longest_rows_first=True,
-                 max_registers=40)
-TOPK_OPTION_SETS = {"default": {}, "rest_batch_1": dict(rest_batch=1), "lean": LEAN_TOPK,
-                    "lean_rest_batch_1": dict(LEAN_TOPK, rest_batch=1), "32_registers": dict(max_registers=32),
+# the top-k kernel's options that change its code, never its result (cute_backend.TOPK_KERNEL_OPTIONS); "plain" is the
+# kernel before session 9's options (the defaults since session 10)
+PLAIN_TOPK = dict(saturating_u16_levels=False, row_range_by_redux=False, winners_in_shared=False, longest_rows_first=False,
+                  max_registers=None)
+TOPK_OPTION_SETS = {"default": {}, "rest_batch_1": dict(rest_batch=1), "plain": PLAIN_TOPK,
+                    "plain_rest_batch_1": dict(PLAIN_TOPK, rest_batch=1), "32_registers": dict(max_registers=32),
                     "heads_in_registers": dict(heads_in_registers=True),
-                    "lean_heads_in_registers": dict(LEAN_TOPK, heads_in_registers=True),
+                    "plain_heads_in_registers": dict(PLAIN_TOPK, heads_in_registers=True),
                     # every launch of these tests splits its rows over 4 warps (cute_backend.TOPK_ROW_SPLIT_MAX_ROWS)
                     "4_warps_per_row": dict(row_split_max_rows=1 << 20),
-                    "lean_4_warps_per_row": dict(LEAN_TOPK, row_split_max_rows=1 << 20)}
+                    "plain_4_warps_per_row": dict(PLAIN_TOPK, row_split_max_rows=1 << 20)}
 
 
 def use_topk_options(monkeypatch, row_split_max_rows=0, **options):

@@ -53,16 +53,16 @@ def test_each_option_sets_the_library_default_it_names(option, value, monkeypatc
 
 
 @pytest.mark.parametrize("text, name, value", [("rest_batch=1", "rest_batch", 1), ("lane_list_length=none", "lane_list_length", None),
-                                               ("winners_in_shared=on", "winners_in_shared", True),
-                                               ("longest_rows_first=off", "longest_rows_first", False)])
+                                               ("winners_in_shared=off", "winners_in_shared", False),
+                                               ("heads_in_registers=on", "heads_in_registers", True)])
 def test_topk_option_sets_one_kernel_option(text, name, value, monkeypatch):
     options = dict(cute_backend.TOPK_KERNEL_OPTIONS)
     monkeypatch.setattr(cute_backend, "TOPK_KERNEL_OPTIONS", options)
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-        bench.main(["--quick", "--topk-option", text, "--topk-option", "saturating_u16_levels=on"])
+        bench.main(["--quick", "--topk-option", text, "--topk-option", "saturating_u16_levels=off"])
     assert options[name] is value or options[name] == value and type(options[name]) is type(value)
-    assert options["saturating_u16_levels"] is True
+    assert options["saturating_u16_levels"] is False
 
 
 @pytest.mark.parametrize("text", ["rest_batch", "no_such_option=1", "rest_batch=fast"])

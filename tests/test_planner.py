@@ -59,7 +59,8 @@ def check_plan(lengths, num_heads, **kwargs):
         """A tile's page chunk: the plan's, stretched by tile rows / its warpgroups' rows under the warpgroup cost."""
         if shape.task_cost != "warpgroup":
             return shape.page_chunk
-        return min(128, shape.page_chunk * shape.tile_rows // (-(-tokens * num_heads // 64) * 64))
+        stretched = shape.page_chunk * shape.tile_rows // (-(-tokens * num_heads // 64) * 64) // 4 * 4
+        return min(128, max(shape.page_chunk, stretched))
 
     assert int(plan.error_flags[0]) == 0
     tasks = tasks_of(plan)

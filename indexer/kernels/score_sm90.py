@@ -93,6 +93,10 @@ class RowTargets(NamedTuple):
         return self.tidx % 4 == 0  # one lane of each quad holds the reduced row
 
 
+TMA_STORE_COLUMN_ALIGNMENT = 4
+"""Score columns (floats) per 16 bytes: a TMA store of a staged block starts on a multiple of this column."""
+
+
 class WarpRole(enum.IntEnum):
     """Warpgroup indices inside the CTA."""
 
@@ -664,9 +668,11 @@ class PageScoreKernelSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=int(NamedBarrier.STAGED_MAXIMA) + consumer_warpgroup,
                           number_of_threads=self.threads_per_warpgroup)
-        # rows' local pages grow with the row, so the block's first row has the smallest
+        # rows' local pages grow with the row, so the block's first row has the smallest; a TMA store's box must
+        # start on a 16-byte column (any other start raised an illegal instruction on the H200)
         whole = ((pages == self.staged_pages) & (block_row + self.rows_per_consumer_warpgroup <= rows.valid_rows)
-                 & (first_page + pages <= self._local_page(rows.position_begin, block_row)))
+                 & (first_page + pages <= self._local_page(rows.position_begin, block_row))
+                 & (first_page % TMA_STORE_COLUMN_ALIGNMENT == 0))
         if whole:
             if thread == 0:
                 gBlock = cute.local_tile(cute.domain_offset((rows.row_begin + block_row, first_page), mScores_tma),
