@@ -128,16 +128,21 @@ def variants():
         yield (f"page_scores_sm90_h{num_heads}_exact",
                PageScoreKernelSm90(num_heads, consumer_warpgroups=2, exact=True),
                (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "bf16.bf16")
-    yield "topk_select", TopkSelectKernel(), topk_kernel_fake_arguments(), None
-    yield "topk_select_rest_batch1", TopkSelectKernel(rest_batch=1), topk_kernel_fake_arguments(), None
-    yield "topk_select_programmatic", TopkSelectKernel(programmatic_launch=True), topk_kernel_fake_arguments(), None
-    lean = dict(saturating_u16_levels=True, row_range_by_redux=True, winners_in_shared=True, longest_rows_first=True)
-    yield "topk_select_lean_40_registers", TopkSelectKernel(**lean, max_registers=40), topk_kernel_fake_arguments(), None
-    yield "topk_select_32_registers", TopkSelectKernel(max_registers=32), topk_kernel_fake_arguments(), None
-    yield ("topk_select_heads_in_registers", TopkSelectKernel(heads_in_registers=True, winners_in_shared=True),
+    from .cute_backend import TOPK_KERNEL_OPTIONS
+
+    # the production options (session 10 on), then the plain kernel (every session-9 option off) and the opt-ins
+    plain = dict(saturating_u16_levels=False, row_range_by_redux=False, winners_in_shared=False, longest_rows_first=False,
+                 max_registers=None)
+    yield "topk_select", TopkSelectKernel(**TOPK_KERNEL_OPTIONS), topk_kernel_fake_arguments(), None
+    yield ("topk_select_programmatic", TopkSelectKernel(**TOPK_KERNEL_OPTIONS, programmatic_launch=True),
            topk_kernel_fake_arguments(), None)
-    yield "topk_select_4_warps_per_row", TopkSelectKernel(warps_per_row=4), topk_kernel_fake_arguments(), None
-    yield ("topk_select_4_warps_per_row_lean", TopkSelectKernel(warps_per_row=4, **lean, max_registers=40),
+    yield "topk_select_4_warps_per_row", TopkSelectKernel(**TOPK_KERNEL_OPTIONS, warps_per_row=4), topk_kernel_fake_arguments(), None
+    yield "topk_select_plain", TopkSelectKernel(**plain), topk_kernel_fake_arguments(), None
+    yield "topk_select_plain_rest_batch1", TopkSelectKernel(**plain, rest_batch=1), topk_kernel_fake_arguments(), None
+    yield "topk_select_plain_32_registers", TopkSelectKernel(**dict(plain, max_registers=32)), topk_kernel_fake_arguments(), None
+    yield ("topk_select_heads_in_registers", TopkSelectKernel(**dict(TOPK_KERNEL_OPTIONS, heads_in_registers=True)),
+           topk_kernel_fake_arguments(), None)
+    yield ("topk_select_plain_4_warps_per_row", TopkSelectKernel(**plain, warps_per_row=4),
            topk_kernel_fake_arguments(), None)
 
 
