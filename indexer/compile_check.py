@@ -103,7 +103,7 @@ def variants():
     yield ("page_scores_sm90_h4_rows256_direct_stores",
            PageScoreKernelSm90(4, consumer_warpgroups=4, issue_ring="commit", staged_stores=False),
            (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "e4m3.e4m3")
-    for num_heads in (1, 4):
+    for num_heads in (1, 2, 4):  # the production kernels (session 10 on)
         q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments()
         yield (f"page_scores_sm90_h{num_heads}_rows256_integer_row_max",
                PageScoreKernelSm90(num_heads, consumer_warpgroups=4, issue_ring="commit", tma_stores=True,
@@ -120,13 +120,13 @@ def variants():
            PageScoreKernelSm90(4, consumer_warpgroups=2, integer_row_max=True),
            (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "e4m3.e4m3")
     q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments(exact=True)
-    yield ("page_scores_sm90_h4_exact_integer_row_max",
-           PageScoreKernelSm90(4, consumer_warpgroups=2, exact=True, integer_row_max=True),
+    yield ("page_scores_sm90_h4_exact_float_row_max",
+           PageScoreKernelSm90(4, consumer_warpgroups=2, exact=True),
            (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "bf16.bf16")
     for num_heads in (1, 2, 4):
         q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments(exact=True)
         yield (f"page_scores_sm90_h{num_heads}_exact",
-               PageScoreKernelSm90(num_heads, consumer_warpgroups=2, exact=True),
+               PageScoreKernelSm90(num_heads, consumer_warpgroups=2, exact=True, integer_row_max=True),
                (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "bf16.bf16")
     from .cute_backend import TOPK_KERNEL_OPTIONS
 

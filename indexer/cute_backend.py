@@ -35,20 +35,22 @@ SCORE_TMA_STORES = True
 when the score buffer allows it (16-byte aligned base, row pitch a multiple of 4 floats); the scores are the same bit
 for bit. Chosen by measurement (docs/PERFORMANCE.md, session 8)."""
 
-SCORE_INTEGER_ROW_MAX = False
+SCORE_INTEGER_ROW_MAX = True
 """Score kernel: reduce each row's values to its page maximum on their int32 bit patterns with three-input integer
 max instructions (``PageScoreKernelSm90(integer_row_max=True)``), half the instructions of the float tree; the scores
-are the same values. Opt-in until measured (built in session 9, docs/STATUS.md)."""
+are the same values. Measured in session 10 (docs/PERFORMANCE.md): quick run at H = 1, scores 78.1 -> 76.1 µs."""
 
 SCORE_SKIP_IDLE_WARPGROUPS = False
 """256-row tiles: a consumer warpgroup whose 64 rows lie beyond a task's valid rows (a request's last, partial tile)
 skips the task's wgmmas and reductions (``PageScoreKernelSm90(skip_idle_warpgroups=True)``); the scores are the same.
-Pairs with the planner's ``task_cost="warpgroup"``. Opt-in until measured (built in session 9, docs/STATUS.md)."""
+Pairs with the planner's ``task_cost="warpgroup"``. Off: measured slower in session 10 (docs/PERFORMANCE.md; quick
+run at H = 1, scores 78.1 -> 79.7 µs with the warpgroup cost)."""
 
 PROGRAMMATIC_TOPK = False
 """Launch the top-k as a programmatic dependent of the score kernel (``TopkSelectKernel(programmatic_launch=True)``,
 ``PageScoreKernelSm90(release_dependents=True)``): its CTAs are scheduled on the SMs the score kernel's tail frees and
-wait there for the scores; the result is the same bit for bit. Opt-in until measured (docs/STATUS.md)."""
+wait there for the scores; the result is the same bit for bit. Off: no gain measured in session 10
+(docs/PERFORMANCE.md; quick run at H = 1, 87.6 vs 87.9 µs)."""
 
 TOPK_KERNEL_OPTIONS = dict(
     lane_list_length=4,
