@@ -17,10 +17,15 @@ MAX_PAGES_PER_ROW = 65536
 """The top-k key keeps a page id in 16 bits, so a row may hold at most this many pages."""
 
 
+SCORE_ALIGNMENT_COLUMNS = 4
+"""Score columns (fp32) per 16 bytes, TMA's unit: the SM90 score kernel's TMA stores need a row pitch and a block's
+first column that are multiples of it (docs/INDEXER.md)."""
+
+
 def score_row_pitch(pages: int) -> int:
     """The row pitch (floats) of a score buffer for ``pages`` columns that the SM90 score kernel writes fastest:
     whole 16-byte units, so whole blocks of row maxima leave by TMA stores (docs/INDEXER.md)."""
-    return -(-pages // 4) * 4
+    return -(-pages // SCORE_ALIGNMENT_COLUMNS) * SCORE_ALIGNMENT_COLUMNS
 
 
 QUANT_LEVELS = 65534.0

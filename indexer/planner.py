@@ -16,7 +16,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .contract import MAX_PAGES_PER_ROW
+from .contract import MAX_PAGES_PER_ROW, SCORE_ALIGNMENT_COLUMNS
 
 __all__ = [
     "NUM_BUCKETS",
@@ -77,11 +77,6 @@ DEFAULT_TASK_ORDER = "snake"
 (ties chunk-major), with every second full wave of ``num_sms`` tasks reversed, so a CTA that drew one of a wave's
 heavier tasks draws one of the next wave's lighter ones. Measured on the H200 (docs/PERFORMANCE.md, session 8):
 with ``tile`` costs, quick H = 4 run 358.7 -> 346.2 µs (scores 331.6 -> 309.3), whole suite at H = 1 99.6 -> 96.0 µs."""
-STRETCHED_CHUNK_ALIGNMENT = 4
-"""A stretched page chunk is a multiple of this many pages (never below the plan's chunk), so that the tasks after a
-partial tile's first start on a 16-byte column of the score buffer: the score kernel's TMA stores need it, and falls
-back to the masked write-out for blocks that do not (a chunk of 21 pages measured an illegal instruction before the
-kernel checked it)."""
 WARPGROUP_ROWS = 64  # the score kernel's rows per consumer warpgroup (one wgmma M), for task_cost="warpgroup"
 _TASK_OVERHEAD_PAGES = 2  # per-task cost (Q tile load, pipeline fill and drain) in pages of work, for the model
 BALANCED_MIN_PAGE_CHUNK = 2
@@ -258,10 +253,13 @@ def task_rows(tokens, num_heads: int, tile_rows: int, task_cost: str):
 
 def tile_page_chunk(page_chunk, rows, tile_rows: int, task_cost: str):
     """The page chunk of a tile whose tasks cost ``rows`` (``task_rows``): ``page_chunk``, stretched for a partial
-    tile under ``task_cost="warpgroup"`` (up to ``MAX_PAGE_CHUNK``); ints or tensors."""
+    tile under ``task_cost="warpgroup"`` (a multiple of ``SCORE_ALIGNMENT_COLUMNS``, never below ``page_chunk``, up to
+    ``MAX_PAGE_CHUNK``); ints or tensors."""
     if task_cost != "warpgroup":
         return page_chunk
-    stretched = page_chunk * tile_rows // rows // STRETCHED_CHUNK_ALIGNMENT * STRETCHED_CHUNK_ALIGNMENT
+    # a whole number of 16-byte columns, so the tasks after a partial tile's first keep the score kernel's TMA
+    # stores (a block starting elsewhere takes the masked write-out)
+    stretched = page_chunk * tile_rows // rows // SCORE_ALIGNMENT_COLUMNS * SCORE_ALIGNMENT_COLUMNS
     if isinstance(stretched, torch.Tensor):
         return torch.maximum(stretched, torch.as_tensor(page_chunk, dtype=stretched.dtype)).clamp(max=MAX_PAGE_CHUNK)
     return min(max(stretched, page_chunk), MAX_PAGE_CHUNK)

@@ -173,7 +173,7 @@ def test_tma_stores_of_tasks_starting_off_a_16_byte_column_take_the_masked_write
     """A page chunk that is not a multiple of 4 starts tasks on columns a TMA store cannot start on (an illegal
     instruction on the H200 before the kernel checked it): those blocks take the masked write-out, the scores are the
     same bit for bit as the masked pitch's, exactly the columns p < L are written."""
-    from indexer import planner
+    from indexer import cute_backend, planner
 
     monkeypatch.setattr(planner, "_balanced_page_chunk", lambda *args: page_chunk)
     case = make_case([(700, 9000), (2048, 6100), (17, 3000)], num_heads=1, seed=29)
@@ -184,8 +184,6 @@ def test_tma_stores_of_tasks_starting_off_a_16_byte_column_take_the_masked_write
         wrapper, scores[pitch_extra] = results["cute"]
         assert wrapper.task_plan.shape.page_chunk == page_chunk
         assert torch.equal(scores[pitch_extra][:, :cols].isnan(), results["torch"][1][:, :cols].isnan())
-    from indexer import cute_backend
-
     assert {key[5] for key in cute_backend._compiled if key[0] == "page_scores_sm90"} >= {True, False}  # key[5]: TMA
     tma, masked = scores.values()
     assert torch.equal(tma[:, :cols].nan_to_num(), masked[:, :cols].nan_to_num())

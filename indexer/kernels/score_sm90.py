@@ -28,6 +28,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from .pipelines import make_tma_pipeline
 from .trees import pairwise_tree, ternary_tree
 
+from ..contract import SCORE_ALIGNMENT_COLUMNS
 from ..planner import PAGE_BEGIN_MASK, PAGE_COUNT_MASK, PAGE_COUNT_SHIFT, TOKENS_MASK, TOKENS_SHIFT, DescriptorWord
 
 __all__ = ["PageScoreKernelSm90"]
@@ -91,10 +92,6 @@ class RowTargets(NamedTuple):
     @property
     def is_writer(self):
         return self.tidx % 4 == 0  # one lane of each quad holds the reduced row
-
-
-TMA_STORE_COLUMN_ALIGNMENT = 4
-"""Score columns (floats) per 16 bytes: a TMA store of a staged block starts on a multiple of this column."""
 
 
 class WarpRole(enum.IntEnum):
@@ -672,7 +669,7 @@ class PageScoreKernelSm90:
         # start on a 16-byte column (any other start raised an illegal instruction on the H200)
         whole = ((pages == self.staged_pages) & (block_row + self.rows_per_consumer_warpgroup <= rows.valid_rows)
                  & (first_page + pages <= self._local_page(rows.position_begin, block_row))
-                 & (first_page % TMA_STORE_COLUMN_ALIGNMENT == 0))
+                 & (first_page % SCORE_ALIGNMENT_COLUMNS == 0))
         if whole:
             if thread == 0:
                 gBlock = cute.local_tile(cute.domain_offset((rows.row_begin + block_row, first_page), mScores_tma),
