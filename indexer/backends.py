@@ -23,8 +23,8 @@ class BackendChoice:
 
 
 def cute_kernel_available() -> bool:
-    """Whether the CuTe DSL (``nvidia-cutlass-dsl``) imports, so the SM90 kernel can be built."""
-    from .cute_backend import dsl_available
+    """Whether the CuTe DSL (``nvidia-cutlass-dsl``) and TVM-FFI import, so the SM90 kernel can be built and called."""
+    from .cute_runtime import dsl_available
 
     return dsl_available()
 
@@ -55,7 +55,7 @@ def kernel_unsupported_reason(
     if head_dim is not None and head_dim != HEAD_DIM:
         return f"the kernel needs head dim {HEAD_DIM}, got {head_dim}"
     if not cute_kernel_available():
-        return "the CuTe DSL (nvidia-cutlass-dsl) does not import"
+        return "the CuTe DSL (nvidia-cutlass-dsl) or TVM-FFI (apache-tvm-ffi) does not import"
     return None
 
 

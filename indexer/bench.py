@@ -1,34 +1,52 @@
 """Benchmark of the prefill indexer on MiniMax's 128-case production suite: ``python -m indexer.bench``.
 
 Per case and H: inputs as the MSA harness draws them (q = randn·0.25·(h+1), K = randn·0.25, e4m3, a
-scattered page table), one wrapper, plan and CUDA graph per rotation slot (enough slots that the
-inputs exceed 2x L2), 5 warm-up rounds and 20 timed replays of every slot with CUDA events; the
-median per call is reported. The baseline, timed in the same run, is what a user would write with
-torch: ``torch._scaled_mm`` FP8 logits per request and token chunk, the page max of the materialised
-chunk, and ``torch.topk`` over the history. ``--quick`` runs the 16 weighted batch-1 cases.
+scattered page table), one wrapper and plan per rotation slot (enough slots that the inputs exceed 2x L2).
+
+* graph replay: one CUDA graph per slot, 5 warm-up rounds and 20 timed replays of every slot with CUDA events; the
+  median per call;
+* eager: ``run()`` called as transformers and vLLM call it, from an idle GPU, CUDA events around the Python call
+  (host and device time), over the rotation slots as the graph replays see the L2 and again after a 256 MiB L2
+  flush (a cold L2); the medians over the samples;
+* host time per call: ``time.perf_counter`` around ``run()`` / ``run_scores()`` / a repeated ``plan()`` while the
+  GPU is kept busy, so the host time is not hidden behind the GPU; the median over 200 calls.
+
+The baseline, timed in the same run, is what a user would write with torch: ``torch._scaled_mm`` FP8 logits per
+request and token chunk, the page max of the materialised chunk, and ``torch.topk`` over the history. ``--quick``
+runs the 16 weighted batch-1 cases.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.resources
 import json
+import os
 import pathlib
 import random
 import statistics
 import sys
+import tempfile
+import time
+
+from typing import Optional
 
 import torch
 
 from . import BatchPrefillIndexerQ8KV8Wrapper, topk_select
 from .contract import FP8_DTYPE, HEAD_DIM, PAGE_SIZE
 
-CASES_PATH = pathlib.Path(__file__).with_name("bench_data") / "prefill_benchmark_cases_v1.json"
-MEASURED_CUBLAS_FP8_TFLOPS = 1452.0  # H200, ../shared/DEVICE.md
+CASES_RESOURCE = ("bench_data", "prefill_benchmark_cases_v1.json")
+MEASURED_CUBLAS_FP8_TFLOPS = 1452.0  # H200, measured with torch._scaled_mm at 8192^3
 L2_BYTES = 60 * 1024 * 1024
+FLUSH_BYTES = 256 * 1024 * 1024
+HOST_CALLS = 200
+EAGER_SAMPLES = 30
 
 
 def load_cases(quick: bool):
-    cases = json.loads(CASES_PATH.read_text())["cases"]
+    text = importlib.resources.files("indexer").joinpath(*CASES_RESOURCE).read_text()
+    cases = json.loads(text)["cases"]
     if quick:
         cases = [c for c in cases if c.get("representative_weight") and c["batch_size"] == 1]
     return cases
@@ -146,21 +164,65 @@ def time_graphs(callables, warmup=5, samples=20):
     return statistics.median(times), statistics.pstdev(times) / statistics.mean(times)
 
 
+class L2Flush:
+    """A buffer larger than the L2, rewritten before each eager sample."""
+
+    def __init__(self, device):
+        self.buffer = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+
+    def __call__(self):
+        self.buffer.fill_(1)
+
+
+def time_eager(callables, flush: Optional[L2Flush] = None, samples: int = EAGER_SAMPLES) -> float:
+    """Median ms of one eager call from an idle GPU, host and device time, as a model calls it: over the rotation slots
+    (the L2 as the graph replays see it), or after an L2 flush (``flush``: a cold L2)."""
+    for fn in callables:
+        fn()  # warm-up
+    times = []
+    for sample in range(samples):
+        fn = callables[sample % len(callables)]
+        if flush is not None:
+            flush()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def host_microseconds(fn, calls: int = HOST_CALLS) -> float:
+    """Median µs of host time per call while the GPU is busy (the launch queue never throttles the host)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for block in range(calls // 20):
+        torch.cuda._sleep(50_000_000)  # ~25 ms of GPU work ahead of the 20 calls
+        for _ in range(20):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def schedule_balance(plan, num_ctas: int, *, cost: str = "rows") -> float:
     """Mean over max of the per-CTA work under the kernel's static round robin (CTA c runs tasks c, c + grid, ...):
-    the share of the SMs kept busy (1.0 = perfectly balanced) when a task costs ``cost`` (``planner.TASK_COSTS``):
-    its valid rows x pages (``"rows"``: useful work), its tile's rows x pages (``"tile"``: the score kernel's time,
-    since each consumer warpgroup computes its whole 64-row block whatever the valid rows), or its active
-    warpgroups' rows x pages (``"warpgroup"``: the time of a kernel whose idle warpgroups skip)."""
-    from .planner import TASK_COSTS, decode_descriptors, task_rows
+    the share of the SMs kept busy (1.0 = perfectly balanced) when a task costs its valid rows x pages (``"rows"``:
+    useful work) or its tile's rows x pages (``"tile"``: the score kernel's time, since each consumer warpgroup
+    computes its whole 64-row block whatever the valid rows)."""
+    from .planner import decode_descriptors
 
-    if cost not in TASK_COSTS:
-        raise ValueError(f"cost must be one of {TASK_COSTS}, got {cost!r}")
+    if cost not in ("rows", "tile"):
+        raise ValueError(f"cost must be one of ('rows', 'tile'), got {cost!r}")
     count = int(plan.num_tasks[0])
     if count == 0:
         return 1.0
     fields = decode_descriptors(plan.descriptors[:count].cpu())
-    rows = task_rows(fields["tokens"], plan.shape.num_heads, plan.shape.tile_rows, cost)
+    rows = fields["tokens"] * plan.shape.num_heads if cost == "rows" else plan.shape.tile_rows
     work = (rows * fields["page_count"]).double()
     per_cta = torch.zeros(num_ctas, dtype=torch.float64)
     per_cta.index_add_(0, torch.arange(count) % num_ctas, work)
@@ -173,191 +235,145 @@ def custom_case(q_len: int, kv_len: int) -> dict:
             "representative_weight": 0}
 
 
-def bench_case(case, num_heads, device, seed, baseline: bool, precision: str = "auto", host_lengths: bool = False):
+def bench_case(case, num_heads, device, seed, baseline: bool, flush: L2Flush, precision: str = "auto",
+               host_lengths: bool = False):
     lengths = sequence_lengths(case)
     unique_bytes = sum((kv - 1) // PAGE_SIZE * PAGE_SIZE * HEAD_DIM for _, kv in lengths) + case["total_q"] * 17 * 4
     slots = min(8, 2 * L2_BYTES // max(1, unique_bytes) + 2)
     generator = torch.Generator().manual_seed(seed)
     bounds = dict(total_q=case["total_q"], max_seqlen_q=max(q for q, _ in lengths), max_seqlen_k=max(kv for _, kv in lengths))
-    runs, scores_only, topk_only, base_runs = [], [], [], []
-    tasks = None
+    request_lengths = lengths if host_lengths else None
+    runs, scores_only, topk_only, base_runs, plans = [], [], [], [], []
     for _ in range(slots):
         q, k, cu, seq_lens, block_table = make_inputs(lengths, num_heads, device, generator)
         wrapper = BatchPrefillIndexerQ8KV8Wrapper(num_heads, precision=precision)
-        wrapper.plan(cu, seq_lens, block_table, **bounds, request_lengths=lengths if host_lengths else None)
-        tasks = int(wrapper.task_plan.num_tasks[0])
-        balance = schedule_balance(wrapper.task_plan, wrapper.task_plan.shape.num_sms)
-        occupancy = schedule_balance(wrapper.task_plan, wrapper.task_plan.shape.num_sms, cost="tile")
+        wrapper.plan(cu, seq_lens, block_table, **bounds, request_lengths=request_lengths)
         runs.append(lambda w=wrapper, q=q, k=k: w.run(q, k))
         scores_only.append(lambda w=wrapper, q=q, k=k: w.run_scores(q, k))
+        plans.append(lambda w=wrapper, cu=cu, seq_lens=seq_lens, block_table=block_table:
+                     w.plan(cu, seq_lens, block_table, **bounds, request_lengths=request_lengths))
         selection = torch.empty(case["total_q"] * num_heads, 16, dtype=torch.int32, device=device)
         topk_only.append(lambda w=wrapper, out=selection: topk_select(w.scores, w.num_valid_pages, out=out))
         if baseline:
             scores = torch.empty_like(wrapper.scores)
             base_runs.append(TorchFp8Baseline(lengths, num_heads, q, k, block_table, scores))
+    plan = wrapper.task_plan
     result = dict(case_id=case["case_id"], batch=case["batch_size"], total_q=case["total_q"], max_kv=case["max_final_kv"],
-                  weight=case.get("representative_weight") or 0, num_heads=num_heads, slots=slots, tasks=tasks,
-                  sm_busy=balance, sm_busy_tile_time=occupancy, task_cost=wrapper.task_plan.shape.task_cost,
-                  task_order=wrapper.task_plan.shape.task_order,
-                  backend=wrapper.active_backend, precision=precision, tile_rows=wrapper.task_plan.shape.tile_rows,
-                  page_chunk=wrapper.task_plan.shape.page_chunk, host_lengths=host_lengths,
-                  issue_ring=_backend_setting("SCORE_ISSUE_RING"),
-                  tma_stores=_backend_setting("SCORE_TMA_STORES"),
-                  topk_options=dict(_backend_setting("TOPK_KERNEL_OPTIONS")),
-                  programmatic_topk=_backend_setting("PROGRAMMATIC_TOPK"),
-                  topk_row_split_max_rows=_backend_setting("TOPK_ROW_SPLIT_MAX_ROWS"),
-                  integer_row_max=_backend_setting("SCORE_INTEGER_ROW_MAX"),
-                  skip_idle_warpgroups=_backend_setting("SCORE_SKIP_IDLE_WARPGROUPS"),
-                  useful_flops=useful_flops(lengths, num_heads))
+                  weight=case.get("representative_weight") or 0, num_heads=num_heads, slots=slots,
+                  tasks=int(plan.num_tasks[0]), sm_busy=schedule_balance(plan, plan.shape.num_sms),
+                  sm_busy_tile_time=schedule_balance(plan, plan.shape.num_sms, cost="tile"),
+                  backend=wrapper.active_backend, precision=precision, tile_rows=plan.shape.tile_rows,
+                  page_chunk=plan.shape.page_chunk, host_lengths=host_lengths,
+                  kernels=[repr(key) for key in wrapper.kernel_keys], useful_flops=useful_flops(lengths, num_heads))
     result["scores_ms"], result["scores_cv"] = time_graphs(scores_only)
     result["run_ms"], result["run_cv"] = time_graphs(runs)
     result["topk_ms"], result["topk_cv"] = time_graphs(topk_only)  # on the scores the run graphs left
+    result["eager_run_ms"] = time_eager(runs)
+    result["eager_cold_run_ms"] = time_eager(runs, flush)
+    result["host_run_us"] = host_microseconds(runs[0])
+    result["host_run_scores_us"] = host_microseconds(scores_only[0])
+    result["host_plan_us"] = host_microseconds(plans[0])
     if baseline:
         result["baseline_ms"], result["baseline_cv"] = time_graphs(base_runs)
     result["tflops_scores"] = result["useful_flops"] / result["scores_ms"] / 1e9
     return result
 
 
-def _backend_setting(name: str):
-    from . import cute_backend
-
-    return getattr(cute_backend, name)
-
-
-def _apply_library_switches(args) -> None:
-    """Each A/B switch sets one of the library's module-level defaults, before any plan or kernel is built."""
-    from . import cute_backend, planner
-
-    switches = {
-        "task_order": (planner, "DEFAULT_TASK_ORDER", str),
-        "task_cost": (planner, "DEFAULT_TASK_COST", str),
-        "chunk_policy": (planner, "DEFAULT_CHUNK_POLICY", str),
-        "tile_rows": (cute_backend, "SCORE_TILE_ROWS", int),
-        "issue_ring": (cute_backend, "SCORE_ISSUE_RING", lambda value: None if value == "none" else value),
-        "tma_stores": (cute_backend, "SCORE_TMA_STORES", lambda value: value == "on"),
-        "programmatic_topk": (cute_backend, "PROGRAMMATIC_TOPK", lambda value: value == "on"),
-        "topk_row_split_max_rows": (cute_backend, "TOPK_ROW_SPLIT_MAX_ROWS", int),
-        "integer_row_max": (cute_backend, "SCORE_INTEGER_ROW_MAX", lambda value: value == "on"),
-        "skip_idle_warpgroups": (cute_backend, "SCORE_SKIP_IDLE_WARPGROUPS", lambda value: value == "on"),
-    }
-    for option, (module, attribute, convert) in switches.items():
-        value = getattr(args, option)
-        if value is not None:
-            setattr(module, attribute, convert(value))
-    for name, value in args.topk_option:
-        cute_backend.TOPK_KERNEL_OPTIONS[name] = value
-
-
-def _topk_option(text: str):
-    """``NAME=VALUE`` for one of ``cute_backend.TOPK_KERNEL_OPTIONS``: an int, ``on``/``off`` or ``none``."""
-    from . import cute_backend
-
-    name, separator, value = text.partition("=")
-    if not separator or name not in cute_backend.TOPK_KERNEL_OPTIONS:
-        raise argparse.ArgumentTypeError(
-            f"expected NAME=VALUE with NAME one of {sorted(cute_backend.TOPK_KERNEL_OPTIONS)}, got {text!r}")
-    words = {"on": True, "off": False, "none": None}
-    if value in words:
-        return name, words[value]
-    if value.isdigit():
-        return name, int(value)
-    raise argparse.ArgumentTypeError(f"the value of {name} must be an int, on, off or none, got {value!r}")
+def write_json_atomically(path: pathlib.Path, payload) -> None:
+    """The whole file or the previous one, never a torn write (a crash or Ctrl-C keeps what was there)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w") as file:
+            json.dump(payload, file, indent=1)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="only the 16 weighted batch-1 cases")
     parser.add_argument("--heads", default="4", help="comma-separated H values (1, 2, 4)")
-    parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the torch FP8 baseline")
     parser.add_argument("--limit", type=int, default=0, help="first N cases only")
     parser.add_argument("--case", action="append", default=[], metavar="Q,KV",
                         help="an extra batch-1 case, e.g. 8192,32768 (repeatable); with --only-custom, only these")
     parser.add_argument("--only-custom", action="store_true")
-    parser.add_argument("--chunk-policy", choices=["fill_sms", "balanced"], default=None,
-                        help="the planner's page-chunk policy (default: the library's)")
-    parser.add_argument("--output", default=None, help="JSON results path")
+    parser.add_argument("--output", default=None, help="JSON results path (rewritten atomically after every case)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--precision", choices=["auto", "fp8", "exact"], default="auto")
-    parser.add_argument("--tile-rows", type=int, choices=[128, 192, 256], default=None,
-                        help="score-kernel q-tile rows (default: the library's)")
-    parser.add_argument("--topk-option", type=_topk_option, action="append", default=[], metavar="NAME=VALUE",
-                        help="top-k kernel: set one of its options (cute_backend.TOPK_KERNEL_OPTIONS), e.g. "
-                             "rest_batch=1, lane_list_length=none, winners_in_shared=on (repeatable; default: the "
-                             "library's)")
     parser.add_argument("--host-lengths", action="store_true",
                         help="plan() gets each request's (query, context) lengths as host ints, as a server has them "
                              "(the page-chunk model then balances the actual batch)")
-    parser.add_argument("--issue-ring", choices=["none", "commit", "progress"], default=None,
-                        help="score kernel (256-row tiles): consumer warpgroups issue their wgmmas in turn, passing "
-                             "the turn on once committed or once three of four k-blocks are done "
-                             "(default: the library's)")
-    parser.add_argument("--topk-row-split-max-rows", type=int, default=None, metavar="N",
-                        help="top-k: launches of at most N rows of more than 512 pages take one CTA of 4 warps per row "
-                             "(0: never; default: the library's)")
-    parser.add_argument("--programmatic-topk", choices=["on", "off"], default=None,
-                        help="launch the top-k as a programmatic dependent of the score kernel (default: the library's)")
-    parser.add_argument("--integer-row-max", choices=["on", "off"], default=None,
-                        help="score kernel: page maxima from the scores' int32 bit patterns by three-input integer max "
-                             "(default: the library's)")
-    parser.add_argument("--skip-idle-warpgroups", choices=["on", "off"], default=None,
-                        help="score kernel (256-row tiles): warpgroups with no valid rows in a task skip its wgmmas "
-                             "(default: the library's)")
-    parser.add_argument("--tma-stores", choices=["on", "off"], default=None,
-                        help="score kernel (256-row tiles): whole staged blocks of row maxima leave by TMA stores "
-                             "(default: the library's)")
-    parser.add_argument("--task-cost", choices=["rows", "tile", "warpgroup"], default=None,
-                        help="planner: a task costs its valid rows x pages, its tile's, or its active warpgroups' "
-                             "(pair with --skip-idle-warpgroups on; default: the library's)")
-    parser.add_argument("--task-order", choices=["buckets", "snake"], default=None,
-                        help="planner: tasks heaviest bucket first, or by exact cost with every second wave reversed "
-                             "(default: the library's)")
     args = parser.parse_args(argv)
-    _apply_library_switches(args)
-    if not torch.cuda.is_available():
-        sys.exit("indexer.bench needs a CUDA GPU")
-    device = torch.device("cuda")
     cases = [] if args.only_custom else load_cases(args.quick)
     if args.limit:
         cases = cases[: args.limit]
     cases += [custom_case(*(int(x) for x in spec.split(","))) for spec in args.case]
+    heads = [int(h) for h in args.heads.split(",")]
+    if not torch.cuda.is_available():
+        sys.exit("indexer.bench needs a CUDA GPU")
+    device = torch.device("cuda")
+    flush = L2Flush(device)
+    output = pathlib.Path(args.output) if args.output else None
     results = []
-    for num_heads in (int(h) for h in args.heads.split(",")):
+    for num_heads in heads:
         for index, case in enumerate(cases):
             result = bench_case(case, num_heads, device, args.seed + index, baseline=not args.no_baseline,
-                                precision=args.precision, host_lengths=args.host_lengths)
+                                flush=flush, precision=args.precision, host_lengths=args.host_lengths)
             results.append(result)
             print(json.dumps(result), flush=True)
-    if args.output:
-        pathlib.Path(args.output).write_text(json.dumps(results, indent=1))
+            if output is not None:
+                write_json_atomically(output, results)
     print_summary(results)
 
 
 def print_summary(results):
-    print("\n| H | case | B | q | max kv | tasks | SM busy | scores us | top-k us | run us | baseline us | TFLOP/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| H | case | B | q | max kv | tasks | SM busy | scores us | top-k us | run us (graph) | run us (eager) "
+          "| eager / graph | eager us, cold L2 | host us run / scores / plan | baseline us | TFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         base = f"{r['baseline_ms'] * 1e3:.0f}" if "baseline_ms" in r else "-"
-        print(f"| {r['num_heads']} | {r['case_id'][-8:]} | {r['batch']} | {r['total_q']} | {r['max_kv']} | {r['tasks']} | {r['sm_busy']:.2f} | "
-              f"{r['scores_ms'] * 1e3:.1f} | {r['topk_ms'] * 1e3:.1f} | {r['run_ms'] * 1e3:.1f} | {base} | {r['tflops_scores']:.0f} |")
+        print(f"| {r['num_heads']} | {r['case_id'][-8:]} | {r['batch']} | {r['total_q']} | {r['max_kv']} | {r['tasks']} "
+              f"| {r['sm_busy']:.2f} | {r['scores_ms'] * 1e3:.1f} | {r['topk_ms'] * 1e3:.1f} | {r['run_ms'] * 1e3:.1f} "
+              f"| {r['eager_run_ms'] * 1e3:.1f} | {r['eager_run_ms'] / r['run_ms']:.2f} "
+              f"| {r['eager_cold_run_ms'] * 1e3:.1f} | {r['host_run_us']:.1f} / {r['host_run_scores_us']:.1f} / {r['host_plan_us']:.1f} | {base} "
+              f"| {r['tflops_scores']:.0f} |")
     for num_heads in sorted({r["num_heads"] for r in results}):
-        subset = [r for r in results if r["num_heads"] == num_heads and r["weight"]]
+        of_h = [r for r in results if r["num_heads"] == num_heads]
+        subset = [r for r in of_h if r["weight"]]
         if subset:
             weight = sum(r["weight"] for r in subset)
-            line = f"H={num_heads}: weighted mean scores {sum(r['weight'] * r['scores_ms'] for r in subset) / weight * 1e3:.1f} us"
-            line += f", top-k {sum(r['weight'] * r['topk_ms'] for r in subset) / weight * 1e3:.1f} us"
-            line += f", run {sum(r['weight'] * r['run_ms'] for r in subset) / weight * 1e3:.1f} us"
+
+            def weighted(key):
+                return sum(r["weight"] * r[key] for r in subset) / weight * 1e3
+
+            line = (f"H={num_heads}: weighted mean scores {weighted('scores_ms'):.1f} us, top-k {weighted('topk_ms'):.1f} us"
+                    f", run {weighted('run_ms'):.1f} us")
             if all("baseline_ms" in r for r in subset):
-                line += f", baseline {sum(r['weight'] * r['baseline_ms'] for r in subset) / weight * 1e3:.1f} us"
+                line += f", baseline {weighted('baseline_ms'):.1f} us"
             floor = sum(r["weight"] * r["useful_flops"] for r in subset) / weight / (MEASURED_CUBLAS_FP8_TFLOPS * 1e12) * 1e6
             line += f", floor at {MEASURED_CUBLAS_FP8_TFLOPS:.0f} TFLOP/s {floor:.1f} us"
             print(line)
-        for name, rows in query_length_classes([r for r in results if r["num_heads"] == num_heads]).items():
+            print(f"H={num_heads} eager: weighted mean run {weighted('eager_run_ms'):.1f} us "
+                  f"({weighted('eager_run_ms') / weighted('run_ms'):.2f}x the graph replay)")
+        heavy = [r for r in of_h if r["run_ms"] >= 0.2]
+        print(f"H={num_heads} eager / graph over the {len(heavy)} cases of >= 0.2 ms: max "
+              f"{max((r['eager_run_ms'] / r['run_ms'] for r in heavy), default=float('nan')):.3f}; host per call "
+              f"(median over cases): run {statistics.median(r['host_run_us'] for r in of_h):.1f} us, run_scores "
+              f"{statistics.median(r['host_run_scores_us'] for r in of_h):.1f} us, plan "
+              f"{statistics.median(r['host_plan_us'] for r in of_h):.1f} us")
+        for name, rows in query_length_classes(of_h).items():
             if rows:
                 print(f"H={num_heads} {name}: {len(rows)} cases, median run "
                       f"{statistics.median(r['run_ms'] for r in rows) * 1e3:.1f} us, median scores "
                       f"{statistics.median(r['scores_ms'] for r in rows) * 1e3:.1f} us, median SM busy "
                       f"{statistics.median(r['sm_busy'] for r in rows):.2f} (useful work) / "
-                      f"{statistics.median(r.get('sm_busy_tile_time', float('nan')) for r in rows):.2f} (kernel time)")
+                      f"{statistics.median(r['sm_busy_tile_time'] for r in rows):.2f} (kernel time)")
 
 
 def query_length_classes(results) -> dict:

@@ -1,8 +1,8 @@
 """Compile every CuTe DSL kernel of the indexer for sm_90a without a GPU: ``python -m indexer.compile_check``.
 
-For each variant (FP8 score kernel at 128- and 256-row tiles and the exact bf16 one, each for
-H = 1, 2, 4; the top-k select) it prints the wgmma instruction
-kinds found in the PTX and, when ``ptxas`` is on PATH, the registers and spill bytes it reports.
+It compiles exactly the kernels the runtime can select (``cute_backend.kernel_keys``: the FP8 score kernel with TMA
+stores and with the masked write-out and the exact bf16 one, each for H = 1, 2, 4; the top-k select with one and
+four warps per row), under the runtime's options, and prints the wgmma instruction kinds found in the PTX and, when ``ptxas`` is on PATH, the registers and spill bytes it reports.
 Exits non-zero if a kernel fails to compile, a score variant lacks its wgmma kind, ptxas reports
 spills or serialised wgmmas in a score kernel, or a setmaxnreg budget exceeds the launch allocation.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import itertools
 import os
 import pathlib
 import re
@@ -22,11 +21,14 @@ import tempfile
 import time
 
 
-def _compile(kernel, arguments, dump_dir: pathlib.Path) -> pathlib.Path:
+def _compile(kernel, arguments, dump_dir: pathlib.Path, tvm_ffi: bool) -> pathlib.Path:
     import cutlass.cute as cute
 
+    from .cute_runtime import compile_options
+
     dump_dir.mkdir(parents=True, exist_ok=True)  # a missing dump dir fails silently
-    cute.compile(kernel, *arguments, options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {dump_dir}")
+    target = f"--gpu-arch sm_90a --keep-ptx --dump-dir {dump_dir}"
+    cute.compile(kernel, *arguments, options=compile_options(target) if tvm_ffi else target)
     ptx_files = sorted(dump_dir.glob("*.ptx"))
     if not ptx_files:
         raise RuntimeError(f"no PTX was written to {dump_dir}")
@@ -74,81 +76,30 @@ def _register_budget_error(kernel, ptx: str, usage):
     return None
 
 
+def kernel_name(key) -> str:
+    from .cute_backend import ScoreKernelKey
+
+    if isinstance(key, ScoreKernelKey):
+        store = "exact" if key.exact else ("tma_stores" if key.tma_stores else "masked_stores")
+        return f"page_scores_sm90_h{key.num_heads}_{store}"
+    return f"topk_select_{key.warps_per_row}_warps_per_row"
+
+
 def variants():
-    from .kernels.score_sm90 import PageScoreKernelSm90
-    from .kernels.signatures import score_kernel_fake_arguments, topk_kernel_fake_arguments
-    from .kernels.topk_select import TopkSelectKernel
+    """Exactly the kernels the runtime can select (``cute_backend.kernel_keys``), built by the runtime's
+    ``build_kernel``."""
+    from .cute_backend import ScoreKernelKey, build_kernel, kernel_keys
 
-    for consumer_warpgroups in (2, 3, 4):
-        for num_heads in (1, 2, 4):
-            q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments()
-            yield (f"page_scores_sm90_h{num_heads}_rows{64 * consumer_warpgroups}",
-                   PageScoreKernelSm90(num_heads, consumer_warpgroups=consumer_warpgroups),
-                   (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "e4m3.e4m3")
-    for num_heads, issue_ring in itertools.product((1, 2, 4), ("commit", "progress")):
-        q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments()
-        yield (f"page_scores_sm90_h{num_heads}_rows256_issue_ring_{issue_ring}",
-               PageScoreKernelSm90(num_heads, consumer_warpgroups=4, issue_ring=issue_ring),
-               (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "e4m3.e4m3")
-    for num_heads in (1, 2, 4):
-        q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments(tma_stores=True)
-        yield (f"page_scores_sm90_h{num_heads}_rows256_tma_stores",
-               PageScoreKernelSm90(num_heads, consumer_warpgroups=4, issue_ring="commit", tma_stores=True),
-               (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "e4m3.e4m3")
-    q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments(tma_stores=True)
-    yield ("page_scores_sm90_h4_rows256_release_dependents",
-           PageScoreKernelSm90(4, consumer_warpgroups=4, issue_ring="commit", tma_stores=True, release_dependents=True),
-           (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "e4m3.e4m3")
-    q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments()
-    yield ("page_scores_sm90_h4_rows256_direct_stores",
-           PageScoreKernelSm90(4, consumer_warpgroups=4, issue_ring="commit", staged_stores=False),
-           (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "e4m3.e4m3")
-    for num_heads in (1, 2, 4):  # the production kernels (session 10 on)
-        q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments()
-        yield (f"page_scores_sm90_h{num_heads}_rows256_integer_row_max",
-               PageScoreKernelSm90(num_heads, consumer_warpgroups=4, issue_ring="commit", tma_stores=True,
-                                   integer_row_max=True),
-               (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "e4m3.e4m3")
-    for num_heads in (1, 4):
-        q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments()
-        yield (f"page_scores_sm90_h{num_heads}_rows256_skip_idle_warpgroups",
-               PageScoreKernelSm90(num_heads, consumer_warpgroups=4, issue_ring="commit", tma_stores=True,
-                                   integer_row_max=True, skip_idle_warpgroups=True),
-               (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "e4m3.e4m3")
-    q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments()
-    yield ("page_scores_sm90_h4_rows128_integer_row_max",
-           PageScoreKernelSm90(4, consumer_warpgroups=2, integer_row_max=True),
-           (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "e4m3.e4m3")
-    q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments(exact=True)
-    yield ("page_scores_sm90_h4_exact_float_row_max",
-           PageScoreKernelSm90(4, consumer_warpgroups=2, exact=True),
-           (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "bf16.bf16")
-    for num_heads in (1, 2, 4):
-        q, k, scores, block_table, descriptors, num_tasks, stream = score_kernel_fake_arguments(exact=True)
-        yield (f"page_scores_sm90_h{num_heads}_exact",
-               PageScoreKernelSm90(num_heads, consumer_warpgroups=2, exact=True, integer_row_max=True),
-               (q, k, scores, block_table, descriptors, num_tasks, 132, stream), "bf16.bf16")
-    from .cute_backend import TOPK_KERNEL_OPTIONS
-
-    # the production options (session 10 on), then the plain kernel (every session-9 option off) and the opt-ins
-    plain = dict(saturating_u16_levels=False, row_range_by_redux=False, winners_in_shared=False, longest_rows_first=False,
-                 max_registers=None)
-    yield "topk_select", TopkSelectKernel(**TOPK_KERNEL_OPTIONS), topk_kernel_fake_arguments(), None
-    yield ("topk_select_programmatic", TopkSelectKernel(**TOPK_KERNEL_OPTIONS, programmatic_launch=True),
-           topk_kernel_fake_arguments(), None)
-    yield "topk_select_4_warps_per_row", TopkSelectKernel(**TOPK_KERNEL_OPTIONS, warps_per_row=4), topk_kernel_fake_arguments(), None
-    yield "topk_select_plain", TopkSelectKernel(**plain), topk_kernel_fake_arguments(), None
-    yield "topk_select_plain_rest_batch1", TopkSelectKernel(**plain, rest_batch=1), topk_kernel_fake_arguments(), None
-    yield "topk_select_plain_32_registers", TopkSelectKernel(**dict(plain, max_registers=32)), topk_kernel_fake_arguments(), None
-    yield ("topk_select_heads_in_registers", TopkSelectKernel(**dict(TOPK_KERNEL_OPTIONS, heads_in_registers=True)),
-           topk_kernel_fake_arguments(), None)
-    yield ("topk_select_plain_4_warps_per_row", TopkSelectKernel(**plain, warps_per_row=4),
-           topk_kernel_fake_arguments(), None)
+    for key in kernel_keys():
+        kernel, arguments = build_kernel(key)
+        required_wgmma = ("bf16.bf16" if key.exact else "e4m3.e4m3") if isinstance(key, ScoreKernelKey) else None
+        yield kernel_name(key), kernel, arguments, required_wgmma
 
 
-def run_compile_check(kernel_variants, description: str, argv=None) -> int:
+def run_compile_check(kernel_variants, description: str, argv=None, *, tvm_ffi: bool = True) -> int:
     """Compile each ``(name, kernel, arguments, required_wgmma_kind)`` for sm_90a, print the table, return the exit
-    status (shared by ``python -m indexer.compile_check`` and the model package's kernel check)."""
+    status (shared by ``python -m indexer.compile_check`` and the model package's kernel check). ``tvm_ffi``: with
+    the runtime's TVM-FFI calling convention (the indexer's kernels) or the classic one (the model's)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--dump-dir", default=None, help="keep the PTX here (default: a temporary folder)")
     args = parser.parse_args(argv)
@@ -161,7 +112,7 @@ def run_compile_check(kernel_variants, description: str, argv=None) -> int:
     for name, kernel, arguments, required_wgmma in kernel_variants:
         start = time.perf_counter()
         try:
-            ptx = _ptx_text(_compile(kernel, arguments, root / name))
+            ptx = _ptx_text(_compile(kernel, arguments, root / name, tvm_ffi))
         except Exception as error:  # report every variant, then fail
             failures.append(f"{name}: compile failed: {error}")
             rows.append((name, "FAILED", "-", "-", "-"))

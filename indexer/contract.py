@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import enum
+
 import torch
 
 PAGE_SIZE = 128
@@ -43,3 +45,15 @@ SCORE_DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float3
 
 BACKENDS = ("auto", "torch", "cute")
 PRECISIONS = ("auto", "fp8", "exact")
+
+
+class ErrorWord(enum.IntEnum):
+    """The int32 words of a plan's device-side error record (``TaskPlan.errors``), written without a sync and read by
+    ``BatchPrefillIndexerQ8KV8Wrapper.check_errors()``; any non-zero word is an error."""
+
+    PLAN = 0  # ``planner.PlanError`` bits: metadata that contradicts the plan's bounds (clamped)
+    PAGE_ID = 1  # the score kernel met a block-table entry outside the K cache (it read page 0 instead)
+    TOPK_ROW_LENGTH = 2  # the top-k met a num_valid_pages entry outside [1, score columns + 1] (clamped)
+
+
+ERROR_WORDS = len(ErrorWord)

@@ -3,7 +3,8 @@
 Everything runs as torch ops on the device that holds the metadata: no device-to-host copy, every
 shape comes from host-side upper bounds (``PlanShape``), and the result is deterministic (stable
 sorts only, no atomics). ``build_task_plan`` can refill an existing plan in place, which is what
-``replan()`` does after the caller updates the metadata tensors.
+``replan()`` does after the caller updates the metadata tensors, and CUDA graphs can capture it (the wrapper replays
+one per plan shape).
 """
 
 from __future__ import annotations
@@ -16,37 +17,26 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .contract import MAX_PAGES_PER_ROW, SCORE_ALIGNMENT_COLUMNS
+from .contract import ERROR_WORDS, MAX_PAGES_PER_ROW, ErrorWord
 
 __all__ = [
-    "NUM_BUCKETS",
     "DescriptorWord",
-    "BUCKET_THRESHOLDS",
     "DESCRIPTOR_WORDS",
     "MIN_PAGE_CHUNK",
     "BALANCED_MIN_PAGE_CHUNK",
     "MAX_PAGE_CHUNK",
     "DEFAULT_TILE_ROWS",
     "DEFAULT_NUM_SMS",
-    "CHUNK_POLICIES",
-    "DEFAULT_CHUNK_POLICY",
-    "TASK_COSTS",
-    "DEFAULT_TASK_COST",
-    "TASK_ORDERS",
-    "DEFAULT_TASK_ORDER",
     "PlanError",
     "PlanShape",
     "TaskPlan",
     "plan_shape",
     "snake_slots",
+    "allocate_task_plan",
     "build_task_plan",
     "decode_descriptors",
     "describe_plan_errors",
 ]
-
-NUM_BUCKETS = 8
-BUCKET_THRESHOLDS = (1 << 10, 1 << 11, 1 << 12, 1 << 13, 1 << 14, 1 << 15, 1 << 16)
-"""A task of ``work = rows x pages`` goes to bucket ``#{t in thresholds : work >= t}``."""
 
 DESCRIPTOR_WORDS = 4
 MIN_PAGE_CHUNK = 8
@@ -54,35 +44,11 @@ MAX_PAGE_CHUNK = 128
 MAX_TILE_TOKENS = 256
 DEFAULT_TILE_ROWS = 128
 DEFAULT_NUM_SMS = 132  # H200
-CHUNK_POLICIES = ("fill_sms", "balanced")
-DEFAULT_CHUNK_POLICY = "balanced"
-"""``balanced``: pick the chunk whose static round-robin schedule has the smallest predicted makespan (below);
-measured on the H200 (docs/PERFORMANCE.md): 373 vs 379 µs scores, 409 vs 430 µs run on the weighted cases at H = 4.
-``fill_sms``: split each tile's history so that the plan has about one task per SM."""
-TASK_COSTS = ("rows", "tile", "warpgroup")
-DEFAULT_TASK_COST = "tile"
-"""What a task costs in the ``balanced`` model and in the heavy-first order: ``rows``: its valid rows x pages (the
-useful work); ``tile``: its tile's rows x pages, which is what the score kernel spends (every consumer warpgroup
-computes its whole 64-row block, valid rows or not), so a partial tile's tasks weigh as much as a full tile's;
-``warpgroup``: its valid rows rounded up to whole 64-row warpgroup blocks x pages, what the kernel spends when its
-idle warpgroups skip their work (``PageScoreKernelSm90(skip_idle_warpgroups=True)``, opt-in, session 9); a partial
-tile's page chunk is then stretched by ``tile_rows / its rows`` (``tile_page_chunk``), so that its tasks cost about
-what a full tile's do and the round robin can balance them.
-With the ``snake`` order, ``tile`` measured 3.5 % faster than ``rows`` with ``buckets`` on the quick H = 4 run and
-3.6 % on the whole suite at H = 1 (docs/PERFORMANCE.md, session 8)."""
-TASK_ORDERS = ("buckets", "snake")
-DEFAULT_TASK_ORDER = "snake"
-"""How the tasks are laid out for the kernel's static round robin (CTA ``c`` runs tasks ``c, c + grid, ...``).
-``buckets``: heaviest bucket first (below), chunk-major inside a bucket. ``snake``: by exact cost, heaviest first
-(ties chunk-major), with every second full wave of ``num_sms`` tasks reversed, so a CTA that drew one of a wave's
-heavier tasks draws one of the next wave's lighter ones. Measured on the H200 (docs/PERFORMANCE.md, session 8):
-with ``tile`` costs, quick H = 4 run 358.7 -> 346.2 µs (scores 331.6 -> 309.3), whole suite at H = 1 99.6 -> 96.0 µs."""
-WARPGROUP_ROWS = 64  # the score kernel's rows per consumer warpgroup (one wgmma M), for task_cost="warpgroup"
 _TASK_OVERHEAD_PAGES = 2  # per-task cost (Q tile load, pipeline fill and drain) in pages of work, for the model
 BALANCED_MIN_PAGE_CHUNK = 2
 """Short queries over long contexts may need chunks below ``MIN_PAGE_CHUNK`` to give every SM a task."""
 _BALANCED_MODEL_MAX_WAVES = 32
-"""Plans whose ``fill_sms`` chunk already gives this many tasks per SM are balanced enough: the model is skipped."""
+"""Plans whose SM-filling chunk already gives this many tasks per SM are balanced enough: the model is skipped."""
 _BALANCED_MODEL_MAX_TASKS = 1 << 20
 _BALANCED_CANDIDATES = (BALANCED_MIN_PAGE_CHUNK, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
 
@@ -109,13 +75,15 @@ TOKENS_MASK = (1 << _TOKENS_BITS) - 1
 
 
 class PlanError(enum.IntFlag):
-    """Bits of ``TaskPlan.error_flags``: metadata that contradicts the host-side bounds."""
+    """Bits of ``TaskPlan.errors[ErrorWord.PLAN]``: metadata that contradicts the host-side bounds. The plan is built
+    from clamped metadata then (offsets into ``[0, total_q]`` and non-decreasing, context lengths into
+    ``[query length, max_pages * page_size]``), so no task reaches outside the buffers."""
 
     TOTAL_Q_MISMATCH = 1  # cu_seqlens_q[-1] != total_q
-    CU_SEQLENS_NOT_MONOTONE = 2  # cu_seqlens_q[0] != 0 or a negative query length
+    CU_SEQLENS_NOT_MONOTONE = 2  # cu_seqlens_q[0] != 0, a negative query length, or an offset beyond total_q
     QUERY_TOO_LONG = 4  # a query length > max_seqlen_q
     KV_LENGTH_INVALID = 8  # seq_lens[b] < query length, or > max_seqlen_k
-    TILE_CAPACITY = 16  # more q tiles than q_tile_capacity (only with one of the bits above)
+    TILE_CAPACITY = 16  # more q tiles than q_tile_capacity (cannot happen after the clamps; kept as a guard)
 
 
 @dataclass(frozen=True)
@@ -137,20 +105,30 @@ class PlanShape:
     page_chunk: int
     chunks_per_tile_capacity: int
     task_capacity: int
-    task_cost: str = "tile"  # TASK_COSTS: what orders the tasks heaviest first
-    task_order: str = "snake"  # TASK_ORDERS: how the tasks are laid out for the round robin
+
+    @property
+    def graph_key(self) -> tuple:
+        """What the device work of ``build_task_plan`` depends on: every field but the two length bounds, which
+        reach it as a device word (``PlanInputs.bounds``), so a decode step's growing context reuses its plan."""
+        return (self.num_requests, self.total_q, self.num_heads, self.page_size, self.tile_rows, self.num_sms,
+                self.tile_tokens, self.max_pages, self.max_history_pages, self.q_tile_capacity, self.page_chunk,
+                self.chunks_per_tile_capacity, self.task_capacity)
 
 
 @dataclass
 class TaskPlan:
-    """Device tensors of a plan. ``descriptors[:num_tasks]`` are the tasks, in the shape's ``task_order``."""
+    """Device tensors of a plan. ``descriptors[:num_tasks]`` are the tasks, heaviest first in the snake layout."""
 
     shape: PlanShape
     num_valid_pages: torch.Tensor  # [total_q * H] int32
     descriptors: torch.Tensor  # [task_capacity, 4] int32
     num_tasks: torch.Tensor  # [1] int32
-    bucket_offsets: torch.Tensor  # [NUM_BUCKETS + 1] int32, bucket NUM_BUCKETS - 1 first (task counts per bucket)
-    error_flags: torch.Tensor  # [1] int32, PlanError bits
+    errors: torch.Tensor  # [ERROR_WORDS] int32 (contract.ErrorWord): PlanError bits, then the kernels' words
+
+    @property
+    def error_flags(self) -> torch.Tensor:
+        """``[1]`` int32: the ``PlanError`` bits of the latest build."""
+        return self.errors[int(ErrorWord.PLAN):int(ErrorWord.PLAN) + 1]
 
 
 def plan_shape(
@@ -163,20 +141,25 @@ def plan_shape(
     max_seqlen_k: int,
     tile_rows: Optional[int] = None,
     num_sms: int = DEFAULT_NUM_SMS,
-    chunk_policy: Optional[str] = None,
     request_lengths: Optional[Sequence[Tuple[int, int]]] = None,
-    task_cost: Optional[str] = None,
-    task_order: Optional[str] = None,
 ) -> PlanShape:
     """Capacities of the plan. Python ints throughout, so nothing overflows; limits raise ValueError.
 
     ``tile_rows`` defaults to the largest multiple of ``num_heads`` not above ``DEFAULT_TILE_ROWS``.
     ``request_lengths``: ``(query tokens, context tokens)`` per request as host ints, when the caller has them;
-    the ``balanced`` chunk model then uses them instead of modelling every request at ``max_seqlen_q`` tokens
-    after ``max_seqlen_k`` of context. Only the page chunk depends on them (capacities come from the bounds), so
-    the plan is correct whatever they say. ``task_cost``: ``TASK_COSTS`` (default ``DEFAULT_TASK_COST``);
-    ``task_order``: ``TASK_ORDERS`` (default ``DEFAULT_TASK_ORDER``).
+    the chunk model (``balanced_page_chunk``) then uses them instead of modelling every request at ``max_seqlen_q``
+    tokens after ``max_seqlen_k`` of context. Only the page chunk depends on them (capacities come from the bounds),
+    so the plan is correct whatever they say. Memoised: a repeated call costs a dictionary lookup.
     """
+    if request_lengths is not None:
+        request_lengths = tuple(request_lengths)
+    return _plan_shape(num_requests, total_q, num_heads, page_size, max_seqlen_q, max_seqlen_k, tile_rows, num_sms,
+                       request_lengths)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_shape(num_requests, total_q, num_heads, page_size, max_seqlen_q, max_seqlen_k, tile_rows, num_sms,
+                request_lengths) -> PlanShape:
     if tile_rows is None:
         tile_rows = max(1, DEFAULT_TILE_ROWS // num_heads) * num_heads
     if tile_rows % num_heads != 0:
@@ -193,21 +176,11 @@ def plan_shape(
         )
     max_history_pages = (max_seqlen_k - 1) // page_size
     q_tile_capacity = min(total_q, -(-total_q // tile_tokens) + num_requests - 1)
-    # Adaptive chunk: enough chunks per tile that even a few q tiles give every SM a task.
-    policy = chunk_policy or DEFAULT_CHUNK_POLICY
-    if policy not in CHUNK_POLICIES:
-        raise ValueError(f"chunk_policy must be one of {CHUNK_POLICIES}, got {policy!r}")
-    task_cost = task_cost or DEFAULT_TASK_COST
-    if task_cost not in TASK_COSTS:
-        raise ValueError(f"task_cost must be one of {TASK_COSTS}, got {task_cost!r}")
-    task_order = task_order or DEFAULT_TASK_ORDER
-    if task_order not in TASK_ORDERS:
-        raise ValueError(f"task_order must be one of {TASK_ORDERS}, got {task_order!r}")
-    # fill_sms: enough chunks per tile that even a few q tiles give every SM a task
+    # enough chunks per tile that even a few q tiles give every SM a task; the balanced model refines it
     chunks_per_tile_target = max(1, -(-num_sms // max(1, q_tile_capacity)))
     page_chunk = min(MAX_PAGE_CHUNK, max(MIN_PAGE_CHUNK, max_history_pages // chunks_per_tile_target))
-    fill_sms_tasks = q_tile_capacity * -(-max_history_pages // page_chunk)
-    if policy == "balanced" and fill_sms_tasks < _BALANCED_MODEL_MAX_WAVES * num_sms:
+    filling_tasks = q_tile_capacity * -(-max_history_pages // page_chunk)
+    if filling_tasks < _BALANCED_MODEL_MAX_WAVES * num_sms:
         if request_lengths is None:
             requests = modelled_requests(total_q, max_seqlen_q, max_seqlen_k)
         else:
@@ -215,8 +188,7 @@ def plan_shape(
         # the model depends on whole pages, so contexts rounded up to a page keep the memo valid for a page's
         # worth of decode steps
         requests = tuple((q_len, -(-kv_len // page_size) * page_size) for q_len, kv_len in requests if q_len > 0)
-        page_chunk = _balanced_page_chunk(requests, page_size, tile_tokens, num_heads, num_sms, task_cost,
-                                          task_order) or page_chunk
+        page_chunk = balanced_page_chunk(requests, page_size, tile_tokens, num_heads, num_sms) or page_chunk
     chunks_per_tile_capacity = -(-max_history_pages // page_chunk)
     task_capacity = q_tile_capacity * chunks_per_tile_capacity
     if task_capacity > _INT32_MAX:
@@ -237,32 +209,7 @@ def plan_shape(
         page_chunk=page_chunk,
         chunks_per_tile_capacity=chunks_per_tile_capacity,
         task_capacity=task_capacity,
-        task_cost=task_cost,
-        task_order=task_order,
     )
-
-
-def task_rows(tokens, num_heads: int, tile_rows: int, task_cost: str):
-    """The rows a task of ``tokens`` valid tokens costs under ``task_cost`` (``TASK_COSTS``); ints or tensors."""
-    if task_cost == "rows":
-        return tokens * num_heads
-    if task_cost == "warpgroup":
-        return (tokens * num_heads + WARPGROUP_ROWS - 1) // WARPGROUP_ROWS * WARPGROUP_ROWS
-    return torch.full_like(tokens, tile_rows) if isinstance(tokens, torch.Tensor) else tile_rows
-
-
-def tile_page_chunk(page_chunk, rows, tile_rows: int, task_cost: str):
-    """The page chunk of a tile whose tasks cost ``rows`` (``task_rows``): ``page_chunk``, stretched for a partial
-    tile under ``task_cost="warpgroup"`` (a multiple of ``SCORE_ALIGNMENT_COLUMNS``, never below ``page_chunk``, up to
-    ``MAX_PAGE_CHUNK``); ints or tensors."""
-    if task_cost != "warpgroup":
-        return page_chunk
-    # a whole number of 16-byte columns, so the tasks after a partial tile's first keep the score kernel's TMA
-    # stores (a block starting elsewhere takes the masked write-out)
-    stretched = page_chunk * tile_rows // rows // SCORE_ALIGNMENT_COLUMNS * SCORE_ALIGNMENT_COLUMNS
-    if isinstance(stretched, torch.Tensor):
-        return torch.maximum(stretched, torch.as_tensor(page_chunk, dtype=stretched.dtype)).clamp(max=MAX_PAGE_CHUNK)
-    return min(max(stretched, page_chunk), MAX_PAGE_CHUNK)
 
 
 def modelled_requests(total_q: int, max_seqlen_q: int, max_seqlen_k: int) -> tuple:
@@ -273,15 +220,19 @@ def modelled_requests(total_q: int, max_seqlen_q: int, max_seqlen_k: int) -> tup
     return tuple((q_len, max_seqlen_k) for q_len in [max_seqlen_q] * (count - 1) + [total_q - max_seqlen_q * (count - 1)])
 
 
-@functools.lru_cache(maxsize=256)
-def _balanced_page_chunk(requests: tuple, page_size, tile_tokens, num_heads, num_sms, task_cost: str,
-                         task_order: str) -> int:
-    """The chunk minimising the predicted makespan of the kernel's static round robin over heavy-first tasks
-    (laid out as ``task_order`` does it, the buckets modelled as an exact sort).
+def task_cost(rows, pages):
+    """What a task costs the score kernel, in row-pages: its tile's rows (every consumer warpgroup computes its whole
+    64-row block, valid rows or not) times its pages plus a per-task overhead. The planner's heavy-first order and the
+    chunk model both use it."""
+    return rows * (pages + _TASK_OVERHEAD_PAGES)
 
-    ``requests``: ``(query tokens, context tokens)`` per request, host ints (no device data). A task of ``r`` rows
-    (valid rows, or the tile's with ``task_cost="tile"``) and ``p`` pages costs ``r * (p + overhead)``; ties go to
-    the larger chunk (fewer tasks).
+
+@functools.lru_cache(maxsize=256)
+def balanced_page_chunk(requests: tuple, page_size, tile_tokens, num_heads, num_sms) -> Optional[int]:
+    """The chunk minimising the predicted makespan of the kernel's static round robin over the plan's tasks, laid out
+    heaviest first in the snake order, each costing ``task_cost``; ties go to the larger chunk (fewer tasks).
+
+    ``requests``: ``(query tokens, context tokens)`` per request, host ints (no device data).
     """
     if not requests:
         return MIN_PAGE_CHUNK
@@ -291,25 +242,20 @@ def _balanced_page_chunk(requests: tuple, page_size, tile_tokens, num_heads, num
     request = torch.repeat_interleave(torch.arange(len(requests)), tiles)
     starts = (torch.arange(int(tiles.sum())) - torch.repeat_interleave(torch.cumsum(tiles, 0) - tiles, tiles)) * tile_tokens
     tokens = (q_lens[request] - starts).clamp(max=tile_tokens)
-    rows = task_rows(tokens, num_heads, tile_tokens * num_heads, task_cost)
     history = (kv_lens[request] - q_lens[request] + starts + tokens - 1) // page_size
     if int(history.sum()) == 0:
         return MIN_PAGE_CHUNK
+    tile_rows = tile_tokens * num_heads
     best = None
     for chunk in _BALANCED_CANDIDATES:
-        tile_chunk = tile_page_chunk(torch.full_like(rows, chunk), rows, tile_tokens * num_heads, task_cost)
-        chunks = (history + tile_chunk - 1) // tile_chunk
+        chunks = (history + chunk - 1) // chunk
         if int(chunks.sum()) > _BALANCED_MODEL_MAX_TASKS:
             continue
-        rows_of_tasks = rows.repeat_interleave(chunks)
         first = torch.cumsum(chunks, 0) - chunks
         index_in_tile = torch.arange(int(chunks.sum())) - first.repeat_interleave(chunks)
-        task_chunk = tile_chunk.repeat_interleave(chunks)
-        pages = torch.minimum(history.repeat_interleave(chunks) - index_in_tile * task_chunk, task_chunk)
-        work = torch.sort((rows_of_tasks * (pages + _TASK_OVERHEAD_PAGES)).double(), descending=True).values
-        slots = torch.arange(work.numel())
-        if task_order == "snake":
-            slots = snake_slots(slots, work.numel(), num_sms)
+        pages = torch.minimum(history.repeat_interleave(chunks) - index_in_tile * chunk, torch.tensor(chunk))
+        work = torch.sort(task_cost(tile_rows, pages).double(), descending=True).values
+        slots = snake_slots(torch.arange(work.numel()), work.numel(), num_sms)
         per_cta = torch.zeros(num_sms, dtype=torch.float64).index_add_(0, slots % num_sms, work)
         makespan = float(per_cta.max())
         if best is None or makespan <= best[0]:
@@ -318,9 +264,10 @@ def _balanced_page_chunk(requests: tuple, page_size, tile_tokens, num_heads, num
 
 
 def snake_slots(ranks: torch.Tensor, count, num_ctas: int) -> torch.Tensor:
-    """Where the task of rank ``ranks`` (0 = heaviest) of ``count`` goes in the ``snake`` layout: every odd wave of
+    """Where the task of rank ``ranks`` (0 = heaviest) of ``count`` goes in the snake layout: every odd wave of
     ``num_ctas`` tasks is reversed when it is full (a partial last wave keeps its order: the round robin gives it to
-    the first CTAs whatever the layout). ``count`` may be a device tensor; ranks at or beyond it stay in place."""
+    the first CTAs whatever the layout), so a CTA that drew one of a wave's heavier tasks draws one of the next wave's
+    lighter ones. ``count`` may be a device tensor; ranks at or beyond it stay in place."""
     wave = ranks // num_ctas
     lane = ranks % num_ctas
     reversed_wave = (wave % 2 == 1) & ((wave + 1) * num_ctas <= count)
@@ -336,9 +283,13 @@ def allocate_task_plan(shape: PlanShape, device: torch.device) -> TaskPlan:
         num_valid_pages=empty(shape.total_q * shape.num_heads),
         descriptors=empty(max(1, shape.task_capacity), DESCRIPTOR_WORDS),
         num_tasks=empty(1),
-        bucket_offsets=empty(NUM_BUCKETS + 1),
-        error_flags=empty(1),
+        errors=torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device),
     )
+
+
+def length_bounds(max_seqlen_q: int, max_seqlen_k: int) -> int:
+    """The host bounds as the one int64 word ``build_task_plan`` reads from the device."""
+    return (max_seqlen_q << 32) | max_seqlen_k
 
 
 def build_task_plan(
@@ -346,22 +297,38 @@ def build_task_plan(
     seq_lens: torch.Tensor,
     shape: PlanShape,
     out: Optional[TaskPlan] = None,
+    bounds: Optional[torch.Tensor] = None,
 ) -> TaskPlan:
-    """Compute ``num_valid_pages`` and the task descriptors; refills ``out`` in place when given."""
+    """Compute ``num_valid_pages``, the task descriptors and the ``PlanError`` bits; refills ``out`` in place when
+    given. ``bounds``: a ``[1]`` int64 device tensor holding ``length_bounds(max_seqlen_q, max_seqlen_k)`` (the
+    shape's when omitted), which keeps the length bounds out of a captured replay.
+
+    The metadata is clamped before use (see ``PlanError``), so a plan never holds a row beyond ``total_q``, a
+    column beyond ``max_pages`` or a request beyond ``B``, whatever the metadata says; the bits say what was
+    clamped. Only torch ops on the metadata's device, no synchronisation, no data-dependent shapes: CUDA graphs can
+    capture it."""
     device = cu_seqlens_q.device
     plan = out if out is not None else allocate_task_plan(shape, device)
-    starts = cu_seqlens_q.to(torch.int64)
-    kv_lens = seq_lens.to(torch.int64)
+    if bounds is None:
+        bounds = torch.full((1,), length_bounds(shape.max_seqlen_q, shape.max_seqlen_k), dtype=torch.int64,
+                            device=device)
+    raw_starts = cu_seqlens_q.to(torch.int64)
+    raw_kv_lens = seq_lens.to(torch.int64)
+    errors = _metadata_errors(raw_starts, raw_kv_lens, bounds, shape)
+
+    # offsets inside [0, total_q] and non-decreasing: every token row lies inside the score buffer
+    starts = torch.cummax(raw_starts.clamp(0, shape.total_q), 0).values
     q_lens = starts[1:] - starts[:-1]
+    # contexts inside [query length, max_pages * page_size]: every local page lies inside the score columns
+    kv_lens = torch.minimum(torch.maximum(raw_kv_lens, q_lens), torch.full_like(q_lens, shape.max_pages * shape.page_size))
     prefixes = kv_lens - q_lens
-    errors = _metadata_errors(starts, q_lens, kv_lens, shape)
 
     token_request, token_local = _locate(starts[1:], starts[:-1], shape.total_q, shape.num_requests, device)
     positions = prefixes[token_request] + token_local
-    valid_pages = (positions.clamp(min=0) // shape.page_size + 1).to(torch.int32)
-    plan.num_valid_pages.copy_(valid_pages.repeat_interleave(shape.num_heads))
+    valid_pages = (positions.clamp(min=0) // shape.page_size + 1).clamp(max=shape.max_pages).to(torch.int32)
+    plan.num_valid_pages.view(shape.total_q, shape.num_heads).copy_(valid_pages[:, None].expand(-1, shape.num_heads))
 
-    tiles_per_request = (q_lens.clamp(min=0) + shape.tile_tokens - 1) // shape.tile_tokens
+    tiles_per_request = (q_lens + shape.tile_tokens - 1) // shape.tile_tokens
     tile_end = torch.cumsum(tiles_per_request, 0)
     tile_request, tile_index = _locate(tile_end, tile_end - tiles_per_request, shape.q_tile_capacity, shape.num_requests, device)
     tile_valid = torch.arange(shape.q_tile_capacity, device=device) < tile_end[-1]
@@ -371,38 +338,21 @@ def build_task_plan(
     # History of a tile = pages before the local page of its last token; shorter rows skip the tail.
     history = ((position_begin + tile_tokens - 1).clamp(min=0) // shape.page_size).clamp(max=shape.max_history_pages)
     history = torch.where(tile_valid, history, 0)
-    rows_of_tile = task_rows(tile_tokens, shape.num_heads, shape.tile_rows, shape.task_cost)
-    chunk_of_tile = tile_page_chunk(shape.page_chunk, rows_of_tile, shape.tile_rows, shape.task_cost)
-    chunks = (history + chunk_of_tile - 1) // chunk_of_tile
+    chunks = (history + shape.page_chunk - 1) // shape.page_chunk
     task_end = torch.cumsum(chunks, 0)
     task_tile, task_chunk = _locate(task_end, task_end - chunks, shape.task_capacity, shape.q_tile_capacity, device)
     task_valid = torch.arange(shape.task_capacity, device=device) < task_end[-1]
-    if isinstance(chunk_of_tile, torch.Tensor):  # stretched per tile (task_cost="warpgroup")
-        chunk_of_task = chunk_of_tile[task_tile]
-        page_begin = task_chunk * chunk_of_task
-        page_count = torch.minimum((history[task_tile] - page_begin).clamp(min=1), chunk_of_task)
-    else:
-        page_begin = task_chunk * chunk_of_tile
-        page_count = (history[task_tile] - page_begin).clamp(min=1, max=chunk_of_tile)
-    rows = rows_of_tile[task_tile]
-    bucket = _bucket_of(rows * page_count)
+    page_begin = task_chunk * shape.page_chunk
+    page_count = (history[task_tile] - page_begin).clamp(min=1, max=shape.page_chunk)
 
-    # Heaviest first (by bucket, or by exact cost for the snake); ties chunk-major so concurrent CTAs stream the
-    # same K pages.
-    if shape.task_order == "snake":
-        cost = rows * (page_count + _TASK_OVERHEAD_PAGES)
-        heaviest_cost = shape.tile_rows * (shape.page_chunk + _TASK_OVERHEAD_PAGES)
-        rank_key = heaviest_cost - cost
-        invalid_key = heaviest_cost + 1
-    else:
-        rank_key = NUM_BUCKETS - 1 - bucket
-        invalid_key = NUM_BUCKETS
+    # Heaviest first by exact cost (ties chunk-major, so concurrent CTAs stream the same K pages), then the snake.
+    heaviest_cost = task_cost(shape.tile_rows, shape.page_chunk)
+    rank_key = heaviest_cost - task_cost(shape.tile_rows, page_count)
     order_key = rank_key * (shape.chunks_per_tile_capacity + 1) + task_chunk
-    order_key = torch.where(task_valid, order_key, invalid_key * (shape.chunks_per_tile_capacity + 1))
+    order_key = torch.where(task_valid, order_key, (heaviest_cost + 1) * (shape.chunks_per_tile_capacity + 1))
     order = torch.sort(order_key, stable=True).indices
-    if shape.task_order == "snake":
-        slots = snake_slots(torch.arange(shape.task_capacity, device=device), task_end[-1], shape.num_sms)
-        order = torch.empty_like(order).scatter_(0, slots, order)
+    slots = snake_slots(torch.arange(shape.task_capacity, device=device), task_end[-1], shape.num_sms)
+    order = torch.empty_like(order).scatter_(0, slots, order)
     tile_of_task = task_tile[order]
     packed = (
         page_begin[order]
@@ -424,10 +374,6 @@ def build_task_plan(
     else:
         plan.descriptors.zero_()
 
-    counts = torch.zeros(NUM_BUCKETS, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, bucket, task_valid.to(torch.int64))
-    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts.flip(0), 0)])
-    plan.bucket_offsets.copy_(offsets.to(torch.int32))
     # Tasks exist only for the first q_tile_capacity tiles, each with at most chunks_per_tile_capacity
     # chunks, so the task count never exceeds task_capacity; extra tiles are flagged instead.
     plan.num_tasks.copy_(task_end[-1].reshape(1).to(torch.int32))
@@ -446,22 +392,19 @@ def _locate(ends: torch.Tensor, begins: torch.Tensor, count: int, num_groups: in
     return group, slots - begins[group]
 
 
-def _bucket_of(work: torch.Tensor) -> torch.Tensor:
-    bucket = torch.zeros_like(work)
-    for threshold in BUCKET_THRESHOLDS:
-        bucket += (work >= threshold).to(work.dtype)
-    return bucket
-
-
-def _metadata_errors(starts, q_lens, kv_lens, shape: PlanShape) -> torch.Tensor:
+def _metadata_errors(starts, kv_lens, bounds, shape: PlanShape) -> torch.Tensor:
     def flag(condition, bit):
         return torch.where(condition, int(bit), 0)
 
+    max_seqlen_q = bounds >> 32
+    max_seqlen_k = bounds & 0xFFFFFFFF
+    q_lens = starts[1:] - starts[:-1]
     errors = flag(starts[-1] != shape.total_q, PlanError.TOTAL_Q_MISMATCH)
-    errors = errors | flag((starts[0] != 0) | (q_lens < 0).any(), PlanError.CU_SEQLENS_NOT_MONOTONE)
-    errors = errors | flag((q_lens > shape.max_seqlen_q).any(), PlanError.QUERY_TOO_LONG)
-    errors = errors | flag(((kv_lens < q_lens) | (kv_lens > shape.max_seqlen_k)).any(), PlanError.KV_LENGTH_INVALID)
-    return errors
+    errors = errors | flag((starts[0] != 0) | (q_lens < 0).any() | (starts > shape.total_q).any(),
+                           PlanError.CU_SEQLENS_NOT_MONOTONE)
+    errors = errors | flag((q_lens > max_seqlen_q).any(), PlanError.QUERY_TOO_LONG)
+    errors = errors | flag(((kv_lens < q_lens) | (kv_lens > max_seqlen_k)).any(), PlanError.KV_LENGTH_INVALID)
+    return errors.reshape(())
 
 
 def describe_plan_errors(flags: int) -> str:

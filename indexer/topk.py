@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from .contract import MAX_PAGES_PER_ROW, QUANT_BIAS, QUANT_LEVELS
+from .contract import ERROR_WORDS, MAX_PAGES_PER_ROW, QUANT_BIAS, QUANT_LEVELS
 from .fp32_math import div_f32, fma_f32
 from .validation import check_host_int, check_tensor, check_unit_stride_1d
 
@@ -41,9 +41,12 @@ def topk_select(
     if out is None:
         out = torch.empty(scores.shape[0], topk, dtype=torch.int32, device=scores.device)
     if backend == "auto" and _kernel_serves(scores, topk) and scores.shape[0] > 0:
+        from .cute_backend import topk_kernel_key
         from .ops import topk_select16
 
-        topk_select16(scores, num_valid_pages, out)
+        # the kernel clamps row lengths outside [1, cols + 1] into it; validate=True raises on them first
+        topk_select16(scores, num_valid_pages, out, _scratch_errors(scores.device),
+                      topk_kernel_key(*scores.shape).warps_per_row)
         return out
     rows, cols = scores.shape
     chunk = max(1, _ROW_CHUNK_ELEMENTS // max(cols, topk))
@@ -56,9 +59,20 @@ def topk_select(
 def _kernel_serves(scores: torch.Tensor, topk: int) -> bool:
     if scores.device.type != "cuda" or topk != 16:
         return False
-    from .cute_backend import dsl_available
+    from .cute_runtime import dsl_available
 
     return dsl_available()
+
+
+_scratch: dict = {}
+
+
+def _scratch_errors(device: torch.device) -> torch.Tensor:
+    """The error words the kernel writes when called outside a wrapper (nobody reads them)."""
+    errors = _scratch.get(device)
+    if errors is None:
+        errors = _scratch[device] = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device)
+    return errors
 
 
 def validate_topk_inputs(scores, num_valid_pages, *, topk, out, validate) -> None:

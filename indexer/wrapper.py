@@ -1,27 +1,53 @@
-"""``BatchPrefillIndexerQ8KV8Wrapper``: plan once, score and select for many layers (docs/INDEXER.md)."""
+"""``BatchPrefillIndexerQ8KV8Wrapper``: plan once, score and select for many layers (docs/INDEXER.md).
+
+``plan()`` makes every decision once: the backend, the precision, the compiled kernels and their variants (TMA
+stores, the top-k row split), the buffers, and the plan's device work, which a CUDA graph replays when a plan shape
+repeats. ``run()`` and ``run_scores()`` check only what may change between calls (the ``q`` and ``k_cache`` tensors,
+by cheap host checks) and launch. A wrapper holds mutable state: it is not safe to share between threads (give each
+thread its own).
+"""
 
 from __future__ import annotations
 
+import logging
+from collections import OrderedDict
 from typing import Optional, Sequence, Tuple
 
 import torch
 
-from . import backends, ops
+from . import backends, cute_backend
 from .contract import (
     BACKENDS,
     DEFAULT_TOPK,
+    ERROR_WORDS,
+    FP8_DTYPE,
+    HEAD_DIM,
     KERNEL_NUM_HEADS,
     PAGE_SIZE,
     PRECISIONS,
     SCORE_DTYPES,
+    ErrorWord,
     score_row_pitch,
 )
-from .planner import DEFAULT_NUM_SMS, TaskPlan, build_task_plan, describe_plan_errors, plan_shape
-from .topk import topk_select
+from .planner import (
+    DEFAULT_NUM_SMS,
+    PlanError,
+    PlanShape,
+    TaskPlan,
+    allocate_task_plan,
+    build_task_plan,
+    describe_plan_errors,
+    length_bounds,
+    plan_shape,
+)
+from .planner import _metadata_errors as metadata_error_bits
+from .topk import topk_select, validate_topk_inputs
 from .torch_backend import HostMetadata, compute_page_scores, read_host_metadata
 from .validation import check_alignment, check_host_int, check_tensor, check_unit_stride_1d
 
-__all__ = ["BatchPrefillIndexerQ8KV8Wrapper", "PlanRequiredError"]
+__all__ = ["BatchPrefillIndexerQ8KV8Wrapper", "PlanRequiredError", "IndexerRunError"]
+
+logger = logging.getLogger("indexer")
 
 
 def _checked_request_lengths(request_lengths, total_q: int, max_seqlen_q: int, max_seqlen_k: int) -> tuple:
@@ -48,17 +74,106 @@ class PlanRequiredError(RuntimeError, ValueError):
     """A run/property was used before ``plan()``: a call-order error, catchable as either base."""
 
 
+class IndexerRunError(ValueError):
+    """``check_errors()`` found an error the device recorded: metadata that contradicted the plan's bounds, a
+    block-table page id outside the K cache, or a top-k row length outside the score buffer."""
+
+
 _TMA_ALIGNMENT = 16
 _METADATA_ALIGNMENT = 4
+_CACHED_PLAN_SHAPES = 16
+"""Plan shapes a wrapper keeps (tensors, buffers and the replay graph each); the least recently planned goes first."""
+_CAPTURE_AFTER_BUILDS = 2
+"""A plan shape's device work is captured into a CUDA graph on its second build: shapes seen once cost no capture."""
+
+
+class _PlanState:
+    """Everything one plan shape owns on one device: the plan tensors, the score and top-k buffers when the wrapper
+    owns them, the metadata copies a graph reads, and the graph once the shape repeats."""
+
+    def __init__(self, shape: PlanShape, device: torch.device, errors: torch.Tensor, num_heads: int, topk: int):
+        self.shape = shape
+        self.device = device
+        self.plan = allocate_task_plan(shape, device)
+        self.plan.errors = errors  # shared by the wrapper's plans: kernel words stay until check_errors()
+        # the metadata a graph reads, filled by one concatenation: cu_seqlens_q, then seq_lens
+        self.metadata = torch.empty(2 * shape.num_requests + 1, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = self.metadata[: shape.num_requests + 1]
+        self.seq_lens = self.metadata[shape.num_requests + 1:]
+        self.bounds = torch.empty(1, dtype=torch.int64, device=device)
+        self.bounds_value: Optional[int] = None
+        self.own_scores: Optional[torch.Tensor] = None
+        self.topk_out = torch.empty(shape.total_q, num_heads, topk, dtype=torch.int32, device=device)
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.capture_failed = False
+        self.builds = 0
+        self.kernels: dict = {}  # kernel key -> compiled function, so a repeated plan looks nothing else up
+
+    def scores_buffer(self) -> torch.Tensor:
+        if self.own_scores is None:
+            rows = self.shape.total_q * self.shape.num_heads
+            pitch = score_row_pitch(self.shape.max_pages)
+            storage = torch.empty(rows, pitch, dtype=torch.float32, device=self.device)
+            self.own_scores = storage[:, : self.shape.max_pages]
+        return self.own_scores
+
+    def build(self, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, bounds: int) -> None:
+        """Refill the plan from the metadata: copies into the graph's inputs, then the graph's replay (from the
+        second build on), the captured ops themselves before, or, inside a caller's capture, the ops."""
+        if self.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            # inside a caller's capture the fill is part of its graph: its replays set these bounds again
+            self.bounds.fill_(bounds)
+            self.bounds_value = None
+            build_task_plan(cu_seqlens_q, seq_lens, self.shape, out=self.plan, bounds=self.bounds)
+            return
+        if bounds != self.bounds_value:
+            self.bounds.fill_(bounds)
+            self.bounds_value = bounds
+        torch.cat((cu_seqlens_q, seq_lens), out=self.metadata)
+        self.builds += 1
+        if self.graph is None and self.builds >= _CAPTURE_AFTER_BUILDS and not self.capture_failed:
+            self.graph = self._capture()
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            build_task_plan(self.cu_seqlens_q, self.seq_lens, self.shape, out=self.plan, bounds=self.bounds)
+
+    def _capture(self) -> torch.cuda.CUDAGraph:
+        # a side stream, as capture requires; no device synchronisation and no garbage collection (unlike the
+        # torch.cuda.graph context manager): nothing runs during capture, the replay that follows computes the plan
+        graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        try:
+            with torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    build_task_plan(self.cu_seqlens_q, self.seq_lens, self.shape, out=self.plan, bounds=self.bounds)
+                finally:
+                    graph.capture_end()
+        except RuntimeError as error:  # the same plan either way: only plan()'s host time differs
+            self.capture_failed = True
+            logger.warning("indexer: the plan of %s could not be captured in a CUDA graph (%s); plan() builds it "
+                           "with eager torch ops", self.shape, str(error).splitlines()[0])
+            return None
+        finally:
+            current.wait_stream(side)
+        return graph
 
 
 class BatchPrefillIndexerQ8KV8Wrapper:
     """Paged FP8 prefill indexer: page scores ``[total_q * H, pitch]`` and forced-local-page top-k.
 
-    ``plan()`` validates the metadata on the host, allocates (or adopts) the score buffer and builds
+    ``plan()`` validates the metadata on the host, adopts (or reuses its own) score buffer and builds
     ``num_valid_pages`` and the kernel's task plan on the metadata's device without synchronising.
     ``run_scores()`` fills the score buffer; ``run()`` adds the top-k selection. One plan serves every
     layer that shares the metadata; ``replan()`` refreshes it after in-place metadata updates.
+
+    Nothing reads or writes outside its buffers whatever the metadata holds: the plan clamps it, and the kernels
+    clamp page ids to the K cache and row lengths to the score buffer, recording each violation in a device-side
+    error word that ``check_errors()`` raises on (``plan(validate=True)`` raises on metadata errors up front). Not
+    safe to share between threads.
     """
 
     def __init__(
@@ -85,19 +200,17 @@ class BatchPrefillIndexerQ8KV8Wrapper:
                     f"backend='cute' needs page_size={PAGE_SIZE} and topk={DEFAULT_TOPK}, got {page_size} and {topk}"
                 )
             if not backends.cute_kernel_available():
-                raise RuntimeError("backend='cute' needs the CuTe DSL (pip install nvidia-cutlass-dsl); use 'auto' or 'torch'")
+                raise RuntimeError("backend='cute' needs the CuTe DSL and TVM-FFI (pip install nvidia-cutlass-dsl "
+                                   "apache-tvm-ffi); use 'auto' or 'torch'")
         self.num_heads = num_heads
         self.backend = backend
         self.precision = precision
         self.page_size = page_size
         self.topk = topk
-        self._plan: Optional[TaskPlan] = None
-        self._metadata: Optional[tuple] = None
-        self._host_metadata: Optional[HostMetadata] = None
-        self._scores: Optional[torch.Tensor] = None
-        self._topk_out: Optional[torch.Tensor] = None
-        self._kernel_backend = False
-        self._validate = False
+        self._runner = None
+        self._states: "OrderedDict[tuple, _PlanState]" = OrderedDict()
+        self._errors: dict = {}
+        self._choices: dict = {}
 
     # ------------------------------------------------------------------ plan
     def plan(
@@ -114,7 +227,8 @@ class BatchPrefillIndexerQ8KV8Wrapper:
         request_lengths: Optional[Sequence[Tuple[int, int]]] = None,
     ) -> None:
         """Validate the metadata and build the plan. Host ints are upper bounds; no device sync
-        unless ``validate=True``, which also checks page ids and finiteness in later runs.
+        unless ``validate=True``, which checks the metadata's values first (raising before anything is written)
+        and page ids and finiteness in later runs.
 
         ``request_lengths``: optional ``(query tokens, context tokens)`` per request as host ints, for callers that
         have them (as FlashInfer's ``plan()`` takes host arrays); the page-chunk model then balances the actual
@@ -128,46 +242,21 @@ class BatchPrefillIndexerQ8KV8Wrapper:
         check_host_int("max_seqlen_k", max_seqlen_k, minimum=1)
         if max_seqlen_k < max_seqlen_q:
             raise ValueError(f"max_seqlen_k ({max_seqlen_k}) must be >= max_seqlen_q ({max_seqlen_q})")
+        if max_seqlen_k >= 2**31:
+            raise ValueError(f"max_seqlen_k must be < 2^31, got {max_seqlen_k}")
         if not isinstance(validate, bool):
             raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
         if request_lengths is not None:
             request_lengths = _checked_request_lengths(request_lengths, total_q, max_seqlen_q, max_seqlen_k)
 
-        check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=(torch.int32,), ndim=1)
-        device = cu_seqlens_q.device
-        if cu_seqlens_q.shape[0] < 2:
-            raise ValueError(f"cu_seqlens_q must have B + 1 >= 2 entries, got shape {tuple(cu_seqlens_q.shape)}")
+        device = _check_metadata(cu_seqlens_q, seq_lens, block_table)
         num_requests = cu_seqlens_q.shape[0] - 1
-        check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), ndim=1, device=device)
-        if seq_lens.shape[0] != num_requests:
-            raise ValueError(f"seq_lens must have shape [{num_requests}] (B from cu_seqlens_q), got {tuple(seq_lens.shape)}")
         if request_lengths is not None and len(request_lengths) != num_requests:
             raise ValueError(f"request_lengths must have {num_requests} (query, context) pairs (B from cu_seqlens_q), "
                              f"got {len(request_lengths)}")
-        check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2, device=device)
-        if block_table.shape[0] != num_requests:
-            raise ValueError(f"block_table must have {num_requests} rows (one per request), got shape {tuple(block_table.shape)}")
-        for name, tensor in (("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)):
-            check_unit_stride_1d(name, tensor)
-            check_alignment(name, tensor, _METADATA_ALIGNMENT)
-        if block_table.shape[1] > 1 and block_table.stride(1) != 1:
-            raise ValueError(f"block_table must have stride(1) == 1, got strides {block_table.stride()}")
-        check_alignment("block_table", block_table, _METADATA_ALIGNMENT)
-
-        choice = backends.resolve_backend(
-            self.backend,
-            device=device,
-            num_heads=self.num_heads,
-            page_size=self.page_size,
-            topk=self.topk,
-            precision=self.precision,
-        )
-        tile_rows = None
-        if choice.name == "cute":
-            from .cute_backend import SCORE_TILE_ROWS
-
-            tile_rows = 128 if self.precision == "exact" else SCORE_TILE_ROWS
-        num_sms = _num_sms(device)
+        choice, num_sms = self._backend(device)
+        kernel = choice.name == "cute"
+        exact = self.precision == "exact"
         shape = plan_shape(
             num_requests=num_requests,
             total_q=total_q,
@@ -175,7 +264,7 @@ class BatchPrefillIndexerQ8KV8Wrapper:
             page_size=self.page_size,
             max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k,
-            tile_rows=tile_rows,
+            tile_rows=cute_backend.score_tile_rows(exact) if kernel else None,
             num_sms=num_sms,
             request_lengths=request_lengths,
         )
@@ -186,152 +275,173 @@ class BatchPrefillIndexerQ8KV8Wrapper:
             )
         if score_out is not None:
             _check_score_out(score_out, rows=total_q * self.num_heads, max_pages=shape.max_pages, device=device)
-        plan = build_task_plan(cu_seqlens_q, seq_lens, shape)
+        bounds = length_bounds(max_seqlen_q, max_seqlen_k)
         if validate:
-            _raise_on_plan_errors(plan)
+            _raise_on_metadata_errors(cu_seqlens_q, seq_lens, bounds, shape)
         # Validated: only now replace the state of a previous plan.
-        self._plan = plan
-        self._metadata = (cu_seqlens_q, seq_lens, block_table)
-        self._host_metadata = None
-        self._backend_choice = choice
-        self._kernel_backend = choice.name == "cute"
-        self._validate = validate
-        if score_out is None:
-            pitch = score_row_pitch(shape.max_pages)
-            score_out = torch.empty(total_q * self.num_heads, pitch, dtype=torch.float32, device=device)[:, : shape.max_pages]
-        self._scores = score_out
-        self._topk_out = None
+        state = self._state(shape, device)
+        state.build(cu_seqlens_q, seq_lens, bounds)
+        scores = score_out if score_out is not None else state.scores_buffer()
+        metadata = (cu_seqlens_q, seq_lens, block_table)
+        if kernel:
+            self._runner = _KernelRunner(self, state, metadata, scores, choice, validate, exact)
+        else:
+            self._runner = _TorchRunner(self, state, metadata, scores, choice, validate)
 
     def replan(self) -> None:
-        """Rebuild the plan in place from the (updated) metadata tensors given to ``plan()``."""
-        plan = self._require_plan("replan")
-        cu_seqlens_q, seq_lens, _ = self._metadata
-        build_task_plan(cu_seqlens_q, seq_lens, plan.shape, out=plan)
-        self._host_metadata = None
-        if self._validate:
-            _raise_on_plan_errors(plan)
+        """Rebuild the plan in place from the (updated) metadata tensors given to ``plan()``; CUDA graphs may capture
+        it."""
+        runner = self._require_runner("replan")
+        cu_seqlens_q, seq_lens, _ = runner.metadata
+        shape = runner.state.shape
+        runner.state.build(cu_seqlens_q, seq_lens, length_bounds(shape.max_seqlen_q, shape.max_seqlen_k))
+        runner.host_metadata = None
+        if runner.validate:
+            _raise_on_plan_errors(runner.state.plan)
 
     # ------------------------------------------------------------------ run
     def run_scores(self, q: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor:
         """Fill the score buffer (columns ``p < L`` of each row) and return it. No top-k."""
-        self._require_plan("run_scores")
-        return self._score(q, k_cache)
-
-    def _score(self, q: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor:
-        k_pages = self._check_inputs(q, k_cache)
-        if self._validate:
-            self._check_input_values(q, k_pages)
-        _, _, block_table = self._metadata
-        if self._kernel_serves(q):
-            plan = self._plan
-            ops.page_scores_sm90(
-                q,
-                k_pages,
-                self._scores,
-                block_table,
-                plan.descriptors,
-                plan.num_tasks,
-                self.num_heads,
-                plan.shape.tile_rows,
-                self.precision == "exact",
-            )
-        else:
-            compute_page_scores(q, k_pages, block_table, self._host(), self._scores, page_size=self.page_size)
-        return self._scores
-
-    def _kernel_serves(self, q: torch.Tensor) -> bool:
-        if not self._kernel_backend:
-            return False
-        reason = backends.kernel_unsupported_reason(
-            device=q.device,
-            num_heads=self.num_heads,
-            page_size=self.page_size,
-            topk=self.topk,
-            precision=self.precision,
-            dtype=q.dtype,
-            head_dim=q.shape[2],
-        )
-        if reason is None:
-            return True
-        if self.backend == "cute":
-            raise ValueError(f"backend='cute' cannot score these inputs: {reason}")
-        backends.resolve_backend("auto", device=q.device, num_heads=self.num_heads, page_size=self.page_size,
-                                 topk=self.topk, precision=self.precision, dtype=q.dtype, head_dim=q.shape[2])
-        return False
+        runner = self._runner
+        if runner is None:
+            raise PlanRequiredError("run_scores: call plan() first (no plan on this wrapper yet)")
+        return runner.score(q, k_cache)
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Scores and top-k: returns ``[total_q, H, topk]`` int32 logical page ids (``out`` when given)."""
-        plan = self._require_plan("run")
-        shape = plan.shape
-        expected = (shape.total_q, self.num_heads, self.topk)
+        runner = self._runner
+        if runner is None:
+            raise PlanRequiredError("run: call plan() first (no plan on this wrapper yet)")
         if out is not None:
-            check_tensor("out", out, dtypes=(torch.int32,), ndim=3, device=self._scores.device)
-            if tuple(out.shape) != expected:
-                raise ValueError(f"out must have shape {list(expected)}, got {tuple(out.shape)}")
-            if not out.is_contiguous():
-                raise ValueError(f"out must be contiguous, got strides {out.stride()}")
-        scores = self._score(q, k_cache)
-        if out is None:
-            if self._topk_out is None:
-                self._topk_out = torch.empty(expected, dtype=torch.int32, device=scores.device)
-            out = self._topk_out
-        topk_select(
-            scores,
-            plan.num_valid_pages,
-            topk=self.topk,
-            out=out.view(-1, self.topk),
-            validate=self._validate,
-            backend="torch" if self._backend_choice.name == "torch" else "auto",
-        )
+            runner.check_out(out)
+        else:
+            out = runner.state.topk_out
+        scores = runner.score(q, k_cache)
+        runner.select(scores, out)
         return out
+
+    def check_errors(self) -> None:
+        """Raise ``IndexerRunError`` if the device recorded an error since the last check (one synchronisation):
+        metadata that contradicted the bounds in the latest plan, or a page id / row length the kernels clamped in
+        any run since. The kernels' records are cleared by the check; the plan's stays until the next plan."""
+        runner = self._require_runner("check_errors")
+        errors = runner.state.plan.errors
+        words = errors.tolist()
+        if not any(words):
+            return
+        if any(words[int(ErrorWord.PLAN) + 1:]):
+            errors[int(ErrorWord.PLAN) + 1:].zero_()
+        problems = []
+        if words[ErrorWord.PLAN]:
+            problems.append(f"metadata does not match the plan's bounds (clamped): {describe_plan_errors(words[ErrorWord.PLAN])}")
+        if words[ErrorWord.PAGE_ID]:
+            problems.append("a block_table entry in use was not a page of k_cache (expected 0 <= id < num_pages; "
+                            "page 0 was read instead)")
+        if words[ErrorWord.TOPK_ROW_LENGTH]:
+            problems.append("a num_valid_pages entry lay outside [1, score columns + 1] (clamped)")
+        raise IndexerRunError("; ".join(problems))
 
     # ------------------------------------------------------------------ state
     @property
     def num_valid_pages(self) -> torch.Tensor:
         """``[total_q * H]`` int32: ``L + 1`` per row, filled by ``plan()``/``replan()``."""
-        return self._require_plan("num_valid_pages").num_valid_pages
+        return self._require_runner("num_valid_pages").state.plan.num_valid_pages
 
     @property
     def scores(self) -> torch.Tensor:
         """The score buffer ``run_scores`` fills (``score_out`` when the caller gave one)."""
-        self._require_plan("scores")
-        return self._scores
+        return self._require_runner("scores").scores
 
     @property
     def task_plan(self) -> TaskPlan:
         """The kernel's task plan (descriptor format in docs/INDEXER.md)."""
-        return self._require_plan("task_plan")
+        return self._require_runner("task_plan").state.plan
 
     @property
     def active_backend(self) -> str:
         """The backend that serves runs of the current plan ("torch" or "cute")."""
-        self._require_plan("active_backend")
-        return self._backend_choice.name
+        return self._require_runner("active_backend").choice.name
 
-    def _require_plan(self, what: str) -> TaskPlan:
-        if self._plan is None:
+    @property
+    def kernel_keys(self) -> tuple:
+        """The compiled kernels the current plan launches (``cute_backend`` keys; empty for the torch backend)."""
+        return getattr(self._require_runner("kernel_keys"), "keys", ())
+
+    def _require_runner(self, what: str):
+        if self._runner is None:
             raise PlanRequiredError(f"{what}: call plan() first (no plan on this wrapper yet)")
-        return self._plan
+        return self._runner
 
-    def _host(self) -> HostMetadata:
-        if self._host_metadata is None:
-            cu_seqlens_q, seq_lens, _ = self._metadata
-            self._host_metadata = read_host_metadata(cu_seqlens_q, seq_lens)
-        return self._host_metadata
+    def _backend(self, device: torch.device):
+        """The backend decision and SM count for ``device``, made once per device."""
+        decision = self._choices.get(device)
+        if decision is None:
+            choice = backends.resolve_backend(self.backend, device=device, num_heads=self.num_heads,
+                                              page_size=self.page_size, topk=self.topk, precision=self.precision)
+            num_sms = _num_sms(device)
+            decision = self._choices[device] = (choice, num_sms)
+        return decision
 
-    def _check_inputs(self, q: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor:
+    def _state(self, shape: PlanShape, device: torch.device) -> _PlanState:
+        key = (device, shape.graph_key)
+        state = self._states.get(key)
+        if state is None:
+            errors = self._errors.get(device)
+            if errors is None:
+                errors = self._errors[device] = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device)
+            state = _PlanState(shape, device, errors, self.num_heads, self.topk)
+            self._states[key] = state
+            while len(self._states) > _CACHED_PLAN_SHAPES:
+                self._states.popitem(last=False)
+        else:
+            self._states.move_to_end(key)
+            state.shape = shape  # the same device work; the bounds a later check or replan reads
+            state.plan.shape = shape
+        return state
+
+
+class _Runner:
+    """What ``plan()`` decided for its runs: the buffers, the checks of ``q``/``k_cache`` and the launches."""
+
+    def __init__(self, wrapper, state: _PlanState, metadata: tuple, scores: torch.Tensor, choice, validate: bool):
+        self.wrapper = wrapper
+        self.state = state
+        self.metadata = metadata
+        self.scores = scores
+        self.choice = choice
+        self.validate = validate
+        self.host_metadata: Optional[HostMetadata] = None
+        self.device = scores.device
+        shape = state.shape
+        self.q_shape = (shape.total_q, wrapper.num_heads)
+        self.out_shape = (shape.total_q, wrapper.num_heads, wrapper.topk)
+
+    def check_out(self, out) -> None:
+        if not (type(out) is torch.Tensor and out.dtype is torch.int32 and out.device == self.device
+                and out.shape == self.out_shape and out.is_contiguous()):
+            check_tensor("out", out, dtypes=(torch.int32,), ndim=3, device=self.device)
+            if tuple(out.shape) != self.out_shape:
+                raise ValueError(f"out must have shape {list(self.out_shape)}, got {tuple(out.shape)}")
+            raise ValueError(f"out must be contiguous, got strides {out.stride()}")
+
+    def host(self) -> HostMetadata:
+        if self.host_metadata is None:
+            cu_seqlens_q, seq_lens, _ = self.metadata
+            self.host_metadata = read_host_metadata(cu_seqlens_q, seq_lens)
+        return self.host_metadata
+
+    def check_inputs(self, q: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor:
         """Validate ``q``/``k_cache`` against the plan; return K as ``[num_pages, page_size, D]``."""
-        shape = self._plan.shape
-        device = self._scores.device
-        check_tensor("q", q, dtypes=SCORE_DTYPES, ndim=3, device=device)
-        if q.shape[0] != shape.total_q or q.shape[1] != self.num_heads:
+        wrapper = self.wrapper
+        check_tensor("q", q, dtypes=SCORE_DTYPES, ndim=3, device=self.device)
+        if tuple(q.shape[:2]) != self.q_shape:
             raise ValueError(
-                f"q must have shape [total_q={shape.total_q}, num_heads={self.num_heads}, head_dim], got {tuple(q.shape)}"
+                f"q must have shape [total_q={self.q_shape[0]}, num_heads={wrapper.num_heads}, head_dim], got {tuple(q.shape)}"
             )
         if not q.is_contiguous():
             raise ValueError(f"q must be contiguous, got strides {q.stride()}")
         check_alignment("q", q, _TMA_ALIGNMENT)
-        check_tensor("k_cache", k_cache, dtypes=(q.dtype,), device=device)
+        check_tensor("k_cache", k_cache, dtypes=(q.dtype,), device=self.device)
         head_dim = q.shape[2]
         if k_cache.dim() == 4:
             if k_cache.shape[1] != 1:
@@ -341,15 +451,15 @@ class BatchPrefillIndexerQ8KV8Wrapper:
             k_pages = k_cache
         else:
             raise ValueError(f"k_cache must be [num_pages, page_size, head_dim] or [num_pages, 1, page_size, head_dim], got {tuple(k_cache.shape)}")
-        if tuple(k_pages.shape[1:]) != (self.page_size, head_dim):
+        if tuple(k_pages.shape[1:]) != (wrapper.page_size, head_dim):
             raise ValueError(
-                f"k_cache pages must be [page_size={self.page_size}, head_dim={head_dim}] (head_dim from q), "
+                f"k_cache pages must be [page_size={wrapper.page_size}, head_dim={head_dim}] (head_dim from q), "
                 f"got {tuple(k_pages.shape[1:])}"
             )
         if k_pages.stride(2) != 1 or k_pages.stride(1) != head_dim:
             raise ValueError(f"each k_cache page must be contiguous, got strides {k_cache.stride()}")
         page_bytes = k_pages.stride(0) * k_pages.element_size()
-        if k_pages.shape[0] > 1 and (k_pages.stride(0) < self.page_size * head_dim or page_bytes % _TMA_ALIGNMENT):
+        if k_pages.shape[0] > 1 and (k_pages.stride(0) < wrapper.page_size * head_dim or page_bytes % _TMA_ALIGNMENT):
             raise ValueError(
                 f"k_cache page stride must be >= page_size * head_dim elements and a multiple of {_TMA_ALIGNMENT} bytes, "
                 f"got {k_pages.stride(0)} elements"
@@ -359,27 +469,185 @@ class BatchPrefillIndexerQ8KV8Wrapper:
             raise ValueError("k_cache must hold at least one page")
         return k_pages
 
-    def _check_input_values(self, q: torch.Tensor, k_pages: torch.Tensor) -> None:
+    def check_input_values(self, q: torch.Tensor, k_pages: torch.Tensor) -> None:
         """Debug checks that read device memory (``plan(validate=True)``)."""
-        _, _, block_table = self._metadata
-        shape = self._plan.shape
-        used = block_table[:, : shape.max_pages]
-        host = self._host()
-        columns = torch.arange(shape.max_pages, device=used.device)
-        pages_per_request = torch.tensor(
-            [-(-length // self.page_size) for length in host.seq_lens], device=used.device
-        )
-        in_use = columns[None, :] < pages_per_request[:, None]
-        bad = in_use & ((used < 0) | (used >= k_pages.shape[0]))
-        if bool(bad.any()):
-            request, column = (int(i) for i in bad.nonzero()[0])
-            raise ValueError(
-                f"block_table[{request}, {column}] = {int(used[request, column])} is not a page of k_cache "
-                f"(expected 0 <= id < {k_pages.shape[0]})"
-            )
+        _raise_on_bad_page_ids(self.metadata[2], self.host().seq_lens, k_pages.shape[0], self.state.shape.max_pages,
+                               self.wrapper.page_size)
         for name, tensor in (("q", q), ("k_cache", k_pages)):
             if not bool(torch.isfinite(tensor.float()).all()):
                 raise ValueError(f"{name} must be finite (NaN/inf found)")
+
+
+class _TorchRunner(_Runner):
+    """The exact torch backend: it reads the lengths to the host once per plan (a sync on CUDA), so metadata that
+    contradicts the plan's bounds, or a page id outside the K cache, raises a ValueError before any score is
+    written."""
+
+    def score(self, q: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor:
+        k_pages = self.check_inputs(q, k_cache)
+        if self.validate:
+            self.check_input_values(q, k_pages)
+        host = self.host()
+        _raise_on_plan_errors(self.state.plan)
+        block_table = self.metadata[2]
+        _raise_on_bad_page_ids(block_table, host.seq_lens, k_pages.shape[0], self.state.shape.max_pages,
+                               self.wrapper.page_size)
+        compute_page_scores(q, k_pages, block_table, host, self.scores, page_size=self.wrapper.page_size)
+        return self.scores
+
+    def select(self, scores: torch.Tensor, out: torch.Tensor) -> None:
+        topk_select(scores, self.state.plan.num_valid_pages, topk=self.wrapper.topk, out=out.view(-1, self.wrapper.topk),
+                    validate=self.validate, backend="torch")
+
+
+class _KernelRunner(_Runner):
+    """The SM90 kernels, compiled (or found compiled) at ``plan()``; a run checks ``q``/``k_cache`` and launches."""
+
+    def __init__(self, wrapper, state, metadata, scores, choice, validate, exact):
+        super().__init__(wrapper, state, metadata, scores, choice, validate)
+        shape = state.shape
+        self.exact = exact
+        self.score_key = cute_backend.score_kernel_key(wrapper.num_heads, exact, scores, shape.num_sms)
+        self.topk_key = cute_backend.topk_kernel_key(scores.shape[0], scores.shape[1])
+        self.keys = (self.score_key, self.topk_key)
+        self.torch_runners: dict = {}
+        self.score_kernel = self._kernel(state, self.score_key)
+        self.topk_kernel = self._kernel(state, self.topk_key)
+        plan = state.plan
+        self.block_table = metadata[2]
+        self.operand_dtype = FP8_DTYPE
+        self.q_full_shape = (shape.total_q, wrapper.num_heads, HEAD_DIM)
+        self.device_index = self.device.index
+        self.page_size = wrapper.page_size
+        self.page_elements = wrapper.page_size * HEAD_DIM  # one byte each: the TMA alignment is in elements too
+        self.launch_arguments = (scores, self.block_table, plan.descriptors, plan.num_tasks, plan.errors)
+        self.topk_arguments = (plan.num_valid_pages, plan.errors)
+        self.topk_rows = (-1, wrapper.topk)
+        self.own_rows = state.topk_out.view(self.topk_rows)
+
+    def _torch_runner(self, choice) -> "_TorchRunner":
+        runner = self.torch_runners.get(choice)
+        if runner is None:
+            runner = self.torch_runners[choice] = _TorchRunner(self.wrapper, self.state, self.metadata, self.scores,
+                                                               choice, self.validate)
+        return runner
+
+    def _kernel(self, state: _PlanState, key):
+        kernel = state.kernels.get(key)
+        if kernel is None:
+            with torch.cuda.device(self.device):  # compiled functions are loaded per device
+                kernel = state.kernels[key] = cute_backend.compiled_kernel(key)
+        return kernel
+
+    def _k_pages(self, q: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor:
+        """The checks of ``check_inputs`` that the kernel needs, on the common layouts in a few attribute reads; any
+        other input takes ``check_inputs``, which raises the precise error or accepts it."""
+        operand = self.operand_dtype
+        if (type(q) is torch.Tensor and type(k_cache) is torch.Tensor and q.dtype is operand and k_cache.dtype is operand
+                and q.shape == self.q_full_shape and q.get_device() == self.device_index
+                and k_cache.get_device() == self.device_index and q.is_contiguous()
+                and not q.data_ptr() % _TMA_ALIGNMENT and not k_cache.data_ptr() % _TMA_ALIGNMENT):
+            shape, strides = k_cache.shape, k_cache.stride()
+            if (len(shape) == 3 and shape[1] == self.page_size and shape[2] == HEAD_DIM and strides[2] == 1
+                    and strides[1] == HEAD_DIM and shape[0] >= 1
+                    and (shape[0] == 1 or strides[0] >= self.page_elements and not strides[0] % _TMA_ALIGNMENT)):
+                return k_cache
+        k_pages = self.check_inputs(q, k_cache)
+        if q.dtype is not self.operand_dtype or q.shape[2] != HEAD_DIM:
+            config = dict(device=q.device, num_heads=self.wrapper.num_heads, page_size=self.wrapper.page_size,
+                          topk=self.wrapper.topk, precision=self.wrapper.precision, dtype=q.dtype, head_dim=q.shape[2])
+            if self.wrapper.backend == "cute":
+                raise ValueError(f"backend='cute' cannot score these inputs: {backends.kernel_unsupported_reason(**config)}")
+            # backend="auto": the torch backend serves inputs the kernel cannot take (bf16/fp32 index ablations);
+            # resolve_backend logs that once per configuration
+            return None, backends.resolve_backend("auto", **config)
+        return k_pages
+
+    def score(self, q: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor:
+        k_pages = self._k_pages(q, k_cache)
+        if type(k_pages) is tuple:
+            return self._torch_runner(k_pages[1]).score(q, k_cache)
+        if self.validate:
+            self.check_input_values(q, k_pages)
+        if self.exact:
+            # e4m3 is a subset of bf16: the upcast is exact. It converts the whole cache, not just the pages the
+            # batch reads (the exact mode is the precision reference, not the fast path).
+            q = q.to(torch.bfloat16)
+            k_pages = k_pages.to(torch.bfloat16)
+        if torch.compiler.is_compiling():
+            from . import ops
+
+            key = self.score_key
+            ops.page_scores_sm90(q, k_pages, *self.launch_arguments, key.num_heads, key.exact, key.tma_stores,
+                                 key.num_ctas)
+        else:
+            self.score_kernel(q, k_pages, *self.launch_arguments)
+        return self.scores
+
+    def select(self, scores: torch.Tensor, out: torch.Tensor) -> None:
+        rows = self.own_rows if out is self.state.topk_out else out.view(self.topk_rows)
+        if self.validate:
+            validate_topk_inputs(scores, self.state.plan.num_valid_pages, topk=self.wrapper.topk, out=rows, validate=True)
+        num_valid_pages, errors = self.topk_arguments
+        if torch.compiler.is_compiling():
+            from . import ops
+
+            ops.topk_select16(scores, num_valid_pages, rows, errors, self.topk_key.warps_per_row)
+        else:
+            self.topk_kernel(scores, num_valid_pages, rows, errors)
+
+
+def _check_metadata(cu_seqlens_q, seq_lens, block_table) -> torch.device:
+    """The metadata's device, or the error naming what is wrong with it; the common layouts in a few attribute reads."""
+    if (type(cu_seqlens_q) is torch.Tensor and type(seq_lens) is torch.Tensor and type(block_table) is torch.Tensor
+            and cu_seqlens_q.dtype is torch.int32 and seq_lens.dtype is torch.int32 and block_table.dtype is torch.int32
+            and cu_seqlens_q.is_cuda and seq_lens.is_cuda and block_table.is_cuda
+            and cu_seqlens_q.dim() == 1 and seq_lens.dim() == 1 and block_table.dim() == 2
+            and cu_seqlens_q.is_contiguous() and seq_lens.is_contiguous() and block_table.stride(1) == 1):
+        requests = seq_lens.shape[0]
+        index = cu_seqlens_q.get_device()
+        if (cu_seqlens_q.shape[0] == requests + 1 and requests >= 1 and block_table.shape[0] == requests
+                and seq_lens.get_device() == index and block_table.get_device() == index
+                and not (cu_seqlens_q.data_ptr() | seq_lens.data_ptr() | block_table.data_ptr()) % _METADATA_ALIGNMENT):
+            return cu_seqlens_q.device
+    return _checked_metadata_device(cu_seqlens_q, seq_lens, block_table)
+
+
+def _checked_metadata_device(cu_seqlens_q, seq_lens, block_table) -> torch.device:
+    check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=(torch.int32,), ndim=1)
+    device = cu_seqlens_q.device
+    if cu_seqlens_q.shape[0] < 2:
+        raise ValueError(f"cu_seqlens_q must have B + 1 >= 2 entries, got shape {tuple(cu_seqlens_q.shape)}")
+    num_requests = cu_seqlens_q.shape[0] - 1
+    check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), ndim=1, device=device)
+    if seq_lens.shape[0] != num_requests:
+        raise ValueError(f"seq_lens must have shape [{num_requests}] (B from cu_seqlens_q), got {tuple(seq_lens.shape)}")
+    check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2, device=device)
+    if block_table.shape[0] != num_requests:
+        raise ValueError(f"block_table must have {num_requests} rows (one per request), got shape {tuple(block_table.shape)}")
+    for name, tensor in (("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)):
+        check_unit_stride_1d(name, tensor)
+        check_alignment(name, tensor, _METADATA_ALIGNMENT)
+    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        raise ValueError(f"block_table must have stride(1) == 1, got strides {block_table.stride()}")
+    check_alignment("block_table", block_table, _METADATA_ALIGNMENT)
+    return device
+
+
+def _raise_on_bad_page_ids(block_table, seq_lens, num_pages: int, max_pages: int, page_size: int) -> None:
+    """A ValueError naming the first block-table entry in use that is not a page of the K cache."""
+    used = block_table[:, :max_pages]
+    columns = torch.arange(max_pages, device=used.device)
+    pages_per_request = torch.tensor([min(-(-max(length, 0) // page_size), max_pages) for length in seq_lens],
+                                     device=used.device)
+    in_use = columns[None, :] < pages_per_request[:, None]
+    bad = in_use & ((used < 0) | (used >= num_pages))
+    if bool(bad.any()):
+        request, column = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"block_table[{request}, {column}] = {int(used[request, column])} is not a page of k_cache "
+            f"(expected 0 <= id < {num_pages})"
+        )
 
 
 def _check_score_out(score_out, *, rows: int, max_pages: int, device: torch.device) -> None:
@@ -404,7 +672,17 @@ def _raise_on_plan_errors(plan: TaskPlan) -> None:
         raise ValueError(f"metadata does not match the plan's host bounds: {describe_plan_errors(flags)}")
 
 
+def _raise_on_metadata_errors(cu_seqlens_q, seq_lens, bounds: int, shape: PlanShape) -> None:
+    """``plan(validate=True)``: the plan's own error bits, computed and read (one sync) before anything is built."""
+    word = torch.full((1,), bounds, dtype=torch.int64, device=cu_seqlens_q.device)
+    flags = int(metadata_error_bits(cu_seqlens_q.to(torch.int64), seq_lens.to(torch.int64), word, shape))
+    if flags:
+        raise ValueError(f"metadata does not match the plan's host bounds: {describe_plan_errors(PlanError(flags))}")
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        from .cute_runtime import sm_count
+
+        return sm_count(device)
     return DEFAULT_NUM_SMS

@@ -20,7 +20,7 @@ def variants():
 
 
 def main(argv=None) -> int:
-    return run_compile_check(variants(), __doc__.splitlines()[0], argv)
+    return run_compile_check(variants(), __doc__.splitlines()[0], argv, tvm_ffi=False)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,8 @@ class PageSelector:
     """Runs the indexer for the sparse layers: one plan per forward and device, one score buffer per device.
 
     The score buffer ``[T * H, pitch]`` is owned here and grown geometrically; it is handed to ``plan()`` as
-    ``score_out`` so the indexer never allocates per layer.
+    ``score_out`` so the indexer never allocates per layer. Like the indexer's wrapper it holds mutable state: a
+    model (and so its selector) is not safe to share between threads; give each thread its own.
     """
 
     def __init__(self, config):

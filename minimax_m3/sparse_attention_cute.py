@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from indexer.cute_backend import as_cute_tensor, compile_once, cute_stream, dsl_available, dsl_version
+from indexer.cute_runtime import as_cute_tensor, compile_once, cute_stream, dsl_available
 
 __all__ = ["cute_sparse_attention_supported", "page_unions", "own_cache_slots", "sparse_attention_cute"]
 
@@ -104,10 +104,16 @@ def sparse_attention_cute(q, keys, values, selection, metadata, *, scale: float,
             as_cute_tensor(own_slots, leading_dim=0, align=4),
         )
         stream = cute_stream()
-        kernel = compile_once(("sparse_attention_sm90", group, dsl_version()),
-                              lambda: _kernel_class()(group), (*arguments, scale, stream))
+        kernel = compile_once(("sparse_attention_sm90", group), lambda: _compile(_kernel_class()(group), arguments, scale,
+                                                                                   stream))
         kernel(*arguments, scale, stream)
     return out
+
+
+def _compile(kernel, arguments, scale, stream):
+    import cutlass.cute as cute
+
+    return cute.compile(kernel, *arguments, scale, stream)
 
 
 def _kernel_class():

@@ -45,16 +45,14 @@ def magnitude_bound(case, num_heads, device):
 
 
 @pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
-@pytest.mark.parametrize("tile_rows", [128, 192, 256])
+@pytest.mark.parametrize("pitch_extra", [37, 40])
 @pytest.mark.parametrize("num_heads", [1, 2, 4])
-def test_scores_match_the_exact_reference_within_the_fp8_bound(num_heads, tile_rows, monkeypatch):
-    from indexer import cute_backend
-
-    monkeypatch.setattr(cute_backend, "SCORE_TILE_ROWS", tile_rows)
+def test_scores_match_the_exact_reference_within_the_fp8_bound(num_heads, pitch_extra):
     case = make_case([(700, 9000), (64, 20000), (1, 129), (300, 300), (129, 4000)], num_heads=num_heads, seed=num_heads)
-    results, _, _ = run_both(case, num_heads, pitch_extra=37)
+    results, _, _ = run_both(case, num_heads, pitch_extra=pitch_extra)
     (_, exact), (wrapper, kernel) = results["torch"], results["cute"]
-    assert wrapper.active_backend == "cute" and wrapper.task_plan.shape.tile_rows == tile_rows
+    assert wrapper.active_backend == "cute" and wrapper.task_plan.shape.tile_rows == 256
+    tile_rows = 256
     written = ~exact.isnan()
     assert torch.equal(written, ~kernel.isnan()), "the kernel must write exactly the columns p < L"
     bound = magnitude_bound(case, num_heads, exact.device)
@@ -64,23 +62,6 @@ def test_scores_match_the_exact_reference_within_the_fp8_bound(num_heads, tile_r
     ratio = (error / bound[written[:, :cols]].clamp(min=1e-6)).max().item()
     print(f"H={num_heads} tile {tile_rows}: max |err| {error.max().item():.3e}, max err / sum|qk| {ratio:.3e}")
     assert bool((error <= allowed).all()), f"max error ratio {ratio}"
-
-
-@pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
-@pytest.mark.parametrize("num_heads", [1, 4])
-def test_issue_ring_changes_the_schedule_not_the_scores(num_heads, monkeypatch):
-    """The wgmma issue token only orders the warpgroups: every score is the same bit for bit."""
-    from indexer import cute_backend
-
-    case = make_case([(700, 9000), (64, 20000), (1, 129), (300, 300), (129, 4000)], num_heads=num_heads, seed=7)
-    scores = {}
-    for ring in (None, "commit", "progress"):
-        monkeypatch.setattr(cute_backend, "SCORE_ISSUE_RING", ring)
-        results, _, _ = run_both(case, num_heads, pitch_extra=5)
-        scores[ring] = results["cute"][1]
-    for ring in ("commit", "progress"):
-        assert torch.equal(scores[None].isnan(), scores[ring].isnan()), ring
-        assert torch.equal(scores[None].nan_to_num(), scores[ring].nan_to_num()), ring
 
 
 def mixed_sign_case(num_heads):
@@ -119,102 +100,35 @@ def test_page_maxima_are_exact_for_negative_zero_and_mixed_sign_pages(num_heads)
 
 
 @pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
-@pytest.mark.parametrize("tile_rows", [128, 256])
-@pytest.mark.parametrize("num_heads", [1, 4])
-def test_integer_row_max_writes_the_same_page_maxima(num_heads, tile_rows, monkeypatch):
-    """Page maxima from the scores' bit patterns (three-input integer max, a min tree for all-negative rows): the same
-    values as the float tree, on pages of every sign mix, including all-negative and all-zero pages."""
-    from indexer import cute_backend
-
-    monkeypatch.setattr(cute_backend, "SCORE_TILE_ROWS", tile_rows)
-    case = mixed_sign_case(num_heads)
-    scores = {}
-    for integer_row_max in (False, True):
-        monkeypatch.setattr(cute_backend, "SCORE_INTEGER_ROW_MAX", integer_row_max)
-        results, _, _ = run_both(case, num_heads, pitch_extra=2)
-        scores[integer_row_max] = results["cute"][1]
-        used = {key[7] for key in cute_backend._compiled if key[0] == "page_scores_sm90"}  # key[7]: integer_row_max
-        assert integer_row_max in used
-    written = ~scores[False].isnan()
-    assert (scores[False][written] < 0).any() and (scores[False][written] == 0).any()
-    assert torch.equal(scores[False].isnan(), scores[True].isnan())
-    assert torch.equal(scores[False].nan_to_num(), scores[True].nan_to_num())
-
-
-@pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
-@pytest.mark.parametrize("task_cost", ["tile", "warpgroup"])
+@pytest.mark.parametrize("page_chunk", [None, 21, 22])
 @pytest.mark.parametrize("num_heads", [1, 2, 4])
-def test_idle_warpgroups_skipping_partial_tiles_write_the_same_scores(num_heads, task_cost, monkeypatch):
-    """Warpgroups whose 64 rows lie past a task's valid rows skip its pages: the same scores bit for bit, the same
-    columns written, on requests whose last tiles hold 1 to 4 active warpgroups (TMA-store and masked pitches)."""
-    from indexer import cute_backend, planner
-
-    monkeypatch.setattr(planner, "DEFAULT_TASK_COST", task_cost)
-    case = make_case([(700, 9000), (64, 20000), (1, 129), (300, 300), (129, 4000), (2048, 2100), (17, 6000)],
-                     num_heads=num_heads, seed=23)
-    cols = case.block_table.shape[1]
-    for pitch_extra in (4 + (-cols) % 4, 1):
-        scores = {}
-        for skip in (False, True):
-            monkeypatch.setattr(cute_backend, "SCORE_SKIP_IDLE_WARPGROUPS", skip)
-            results, _, _ = run_both(case, num_heads, pitch_extra=pitch_extra)
-            scores[skip] = results["cute"][1]
-            used = {key[8] for key in cute_backend._compiled if key[0] == "page_scores_sm90"}  # key[8]: skip
-            assert skip in used
-        reference = results["torch"][1]
-        assert torch.equal(scores[True].isnan(), reference.isnan()), "exactly the columns p < L, padding untouched"
-        assert torch.equal(scores[False].isnan(), scores[True].isnan())
-        assert torch.equal(scores[False].nan_to_num(), scores[True].nan_to_num())
-
-
-@pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
-@pytest.mark.parametrize("page_chunk", [21, 22])
-def test_tma_stores_of_tasks_starting_off_a_16_byte_column_take_the_masked_write_out(page_chunk, monkeypatch):
-    """A page chunk that is not a multiple of 4 starts tasks on columns a TMA store cannot start on (an illegal
-    instruction on the H200 before the kernel checked it): those blocks take the masked write-out, the scores are the
-    same bit for bit as the masked pitch's, exactly the columns p < L are written."""
-    from indexer import cute_backend, planner
-
-    monkeypatch.setattr(planner, "_balanced_page_chunk", lambda *args: page_chunk)
-    case = make_case([(700, 9000), (2048, 6100), (17, 3000)], num_heads=1, seed=29)
-    cols = case.block_table.shape[1]
-    scores = {}
-    for pitch_extra in (4 + (-cols) % 4, 1):
-        results, _, _ = run_both(case, 1, pitch_extra=pitch_extra)
-        wrapper, scores[pitch_extra] = results["cute"]
-        assert wrapper.task_plan.shape.page_chunk == page_chunk
-        assert torch.equal(scores[pitch_extra][:, :cols].isnan(), results["torch"][1][:, :cols].isnan())
-    assert {key[5] for key in cute_backend._compiled if key[0] == "page_scores_sm90"} >= {True, False}  # key[5]: TMA
-    tma, masked = scores.values()
-    assert torch.equal(tma[:, :cols].nan_to_num(), masked[:, :cols].nan_to_num())
-    assert tma[:, cols:].isnan().all(), "the padding stays untouched"
-
-
-@pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
-@pytest.mark.parametrize("num_heads", [1, 2, 4])
-def test_tma_stores_write_the_same_scores_and_nothing_else(num_heads, monkeypatch):
+def test_tma_stores_write_the_same_scores_as_the_masked_write_out_and_nothing_else(num_heads, page_chunk, monkeypatch):
     """Whole staged blocks leave by TMA stores when the buffer allows it (16-byte pitch): the same scores bit for bit
-    as the masked write-out, the same columns written, the wide pitch's padding untouched; an odd pitch takes the
-    masked write-out (tasks of 1 to hundreds of pages, partial and diagonal blocks, partial tiles)."""
-    from indexer import cute_backend
+    as the masked write-out an odd pitch takes, the same columns written, the padding untouched (tasks of 1 to hundreds
+    of pages, partial and diagonal blocks, partial tiles). A page chunk that is not a multiple of 4 starts tasks on
+    columns a TMA store cannot start on (an illegal instruction on the H200 before the kernel checked it): those blocks
+    take the masked write-out."""
+    from indexer import planner
 
-    case = make_case([(700, 9000), (64, 20000), (1, 129), (300, 300), (129, 4000), (2048, 2100)], num_heads=num_heads,
-                     seed=17)
+    if page_chunk is not None:
+        monkeypatch.setattr(planner, "balanced_page_chunk", lambda *args: page_chunk)
+        planner._plan_shape.cache_clear()
+    case = make_case([(700, 9000), (64, 20000), (1, 129), (300, 300), (129, 4000), (2048, 2100), (17, 3000)],
+                     num_heads=num_heads, seed=17)
     cols = case.block_table.shape[1]
     aligned_extra = 4 + (-cols) % 4
+    scores = {}
     for pitch_extra, tma_expected in ((aligned_extra, True), (aligned_extra + 1, False)):
-        scores = {}
-        for tma_stores in (False, True):
-            monkeypatch.setattr(cute_backend, "SCORE_TMA_STORES", tma_stores)
-            cute_backend._compiled.clear()
-            results, _, _ = run_both(case, num_heads, pitch_extra=pitch_extra)
-            scores[tma_stores] = results["cute"][1]
-            used = {key[5] for key in cute_backend._compiled if key[0] == "page_scores_sm90"}  # key[5]: tma_stores
-            assert used == {tma_stores and tma_expected}
+        results, _, _ = run_both(case, num_heads, pitch_extra=pitch_extra)
+        wrapper, scores[tma_expected] = results["cute"]
+        assert wrapper.kernel_keys[0].tma_stores is tma_expected
+        if page_chunk is not None:
+            assert wrapper.task_plan.shape.page_chunk == page_chunk
         reference = results["torch"][1]
-        assert torch.equal(scores[True].isnan(), reference.isnan()), "exactly the columns p < L, padding untouched"
-        assert torch.equal(scores[False].isnan(), scores[True].isnan())
-        assert torch.equal(scores[False].nan_to_num(), scores[True].nan_to_num())
+        assert torch.equal(scores[tma_expected].isnan(), reference.isnan()), "exactly the columns p < L"
+    planner._plan_shape.cache_clear()
+    assert torch.equal(scores[True][:, :cols].nan_to_num(), scores[False][:, :cols].nan_to_num())
+    assert scores[True][:, cols:].isnan().all() and scores[False][:, cols:].isnan().all(), "the padding stays untouched"
 
 
 @pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
@@ -241,30 +155,16 @@ def test_fp8_selection_is_right_up_to_the_fp8_error_bound():
     assert bool(widened.all())
 
 
-# the top-k kernel's options that change its code, never its result (cute_backend.TOPK_KERNEL_OPTIONS); "plain" is the
-# kernel before session 9's options (the defaults since session 10)
-PLAIN_TOPK = dict(saturating_u16_levels=False, row_range_by_redux=False, winners_in_shared=False, longest_rows_first=False,
-                  max_registers=None)
-TOPK_OPTION_SETS = {"default": {}, "rest_batch_1": dict(rest_batch=1), "plain": PLAIN_TOPK,
-                    "plain_rest_batch_1": dict(PLAIN_TOPK, rest_batch=1), "32_registers": dict(max_registers=32),
-                    "heads_in_registers": dict(heads_in_registers=True),
-                    "plain_heads_in_registers": dict(PLAIN_TOPK, heads_in_registers=True),
-                    # every launch of these tests splits its rows over 4 warps (cute_backend.TOPK_ROW_SPLIT_MAX_ROWS)
-                    "4_warps_per_row": dict(row_split_max_rows=1 << 20),
-                    "plain_4_warps_per_row": dict(PLAIN_TOPK, row_split_max_rows=1 << 20)}
-
-
-def use_topk_options(monkeypatch, row_split_max_rows=0, **options):
-    from indexer import cute_backend
-
-    monkeypatch.setattr(cute_backend, "TOPK_KERNEL_OPTIONS", dict(cute_backend.TOPK_KERNEL_OPTIONS, **options))
-    monkeypatch.setattr(cute_backend, "TOPK_ROW_SPLIT_MAX_ROWS", row_split_max_rows)
+# every top-k launch of the "4_warps_per_row" tests splits its rows over 4 warps (cute_backend.TOPK_ROW_SPLIT_MAX_ROWS)
+TOPK_ROW_SPLITS = {"1_warp_per_row": 0, "4_warps_per_row": 1 << 20}
 
 
 @pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
-@pytest.mark.parametrize("option_set", TOPK_OPTION_SETS)
-def test_gpu_topk_matches_the_torch_topk_bitwise(option_set, monkeypatch):
-    use_topk_options(monkeypatch, **TOPK_OPTION_SETS[option_set])
+@pytest.mark.parametrize("row_split", TOPK_ROW_SPLITS)
+def test_gpu_topk_matches_the_torch_topk_bitwise(row_split, monkeypatch):
+    from indexer import cute_backend
+
+    monkeypatch.setattr(cute_backend, "TOPK_ROW_SPLIT_MAX_ROWS", TOPK_ROW_SPLITS[row_split])
     generator = torch.Generator().manual_seed(11)
     # random rows of many magnitudes, ties, all-equal rows, few-ulp ranges at large magnitude (clamps at both ends)
     scores = torch.randn(3000, 9000, generator=generator) * torch.logspace(-30, 30, 3000)[:, None]
@@ -291,13 +191,14 @@ def test_gpu_topk_matches_the_torch_topk_bitwise(option_set, monkeypatch):
 
 
 @pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
-@pytest.mark.parametrize("option_set", TOPK_OPTION_SETS)
-@pytest.mark.parametrize("lane_list_length", [4, None])
-def test_gpu_topk_paths_and_the_fast_paths_fallback_match_torch_bitwise(lane_list_length, option_set, monkeypatch):
-    """Every row length around the kernel's path boundaries (8 / 12 / 16 / 24 cached slots, the re-read
+@pytest.mark.parametrize("row_split", TOPK_ROW_SPLITS)
+def test_gpu_topk_paths_and_the_fast_paths_fallback_match_torch_bitwise(row_split, monkeypatch):
+    """Every row length around the kernel's path boundaries (8 / 12 / 16 cached slots, the re-read
     beyond), and rows built so that one lane holds most of the top 15: the fast path must hand them
     to the exhaustive one (a lane keeps only its 4 best keys), with the same result."""
-    use_topk_options(monkeypatch, lane_list_length=lane_list_length, **TOPK_OPTION_SETS[option_set])
+    from indexer import cute_backend
+
+    monkeypatch.setattr(cute_backend, "TOPK_ROW_SPLIT_MAX_ROWS", TOPK_ROW_SPLITS[row_split])
     generator = torch.Generator().manual_seed(12)
     # (with 4 warps per row: 8 slots per lane up to 1024 history pages, 16 up to 2048, and warps without columns
     # below 97)
@@ -323,34 +224,35 @@ def test_gpu_topk_paths_and_the_fast_paths_fallback_match_torch_bitwise(lane_lis
 
 
 @pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
-def test_programmatic_topk_launch_selects_the_same_pages_eagerly_and_in_graph_replay(monkeypatch):
-    """The top-k launched as a programmatic dependent of the score kernel (its CTAs may start during the score
-    kernel's tail and wait for it) selects exactly what the plain launch does, eagerly and replayed."""
-    from indexer import cute_backend
-
+def test_run_selects_the_same_pages_eagerly_on_a_side_stream_and_in_graph_replay():
+    """The TVM-FFI launches take torch's current stream: eager on the default stream, eager on a side stream behind
+    queued work, and a captured graph's replays select the same pages."""
     case = make_case([(1500, 40000), (7, 9000), (300, 70000)], num_heads=4, seed=21)
     device = torch.device("cuda")
     metadata = [t.to(device) for t in case.metadata()]
     q, k = case.q.to(device), case.k_cache.to(device)
-    selections = {}
-    for programmatic in (False, True):
-        monkeypatch.setattr(cute_backend, "PROGRAMMATIC_TOPK", programmatic)
-        wrapper = BatchPrefillIndexerQ8KV8Wrapper(4, backend="cute", precision="fp8")
-        wrapper.plan(*metadata, **case.plan_kwargs())
-        eager = wrapper.run(q, k).clone()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = wrapper.run(q, k)
-        for _ in range(3):
-            wrapper.scores.fill_(float("nan"))
-            replayed.fill_(-7)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(replayed, eager)
-        selections[programmatic] = eager
-    assert torch.equal(selections[True], selections[False])
-    # key: ("topk_select", options, programmatic_launch, DSL version, device)
-    assert any(key[0] == "topk_select" and key[2] is True for key in cute_backend._compiled)
+    wrapper = BatchPrefillIndexerQ8KV8Wrapper(4, backend="cute", precision="fp8")
+    wrapper.plan(*metadata, **case.plan_kwargs())
+    eager = wrapper.run(q, k).clone()
+    expected = topk_select(wrapper.scores.clone(), wrapper.num_valid_pages, backend="torch").view_as(eager)
+    assert torch.equal(eager, expected)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(20_000_000)
+        wrapper.scores.fill_(float("nan"))
+        on_side = wrapper.run(q, k).clone()
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(on_side, eager)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = wrapper.run(q, k)
+    for _ in range(3):
+        wrapper.scores.fill_(float("nan"))
+        replayed.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, eager)
 
 
 @pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
@@ -389,15 +291,18 @@ def test_custom_ops_pass_opcheck_and_run_under_torch_compile():
     wrapper.plan(*metadata, **case.plan_kwargs())
     eager = wrapper.run(q, k).clone()
     plan = wrapper.task_plan
+    score_key, topk_key = wrapper.kernel_keys
     # test_schema compares inputs with arithmetic torch lacks for e4m3 on CUDA; the fake test covers the op
     torch.library.opcheck(
         torch.ops.indexer.page_scores_sm90,
-        (q, k, wrapper.scores, metadata[2], plan.descriptors, plan.num_tasks, 2, plan.shape.tile_rows, False),
+        (q, k, wrapper.scores, metadata[2], plan.descriptors, plan.num_tasks,
+         plan.errors, 2, False, score_key.tma_stores, score_key.num_ctas),
         test_utils=("test_faketensor",),
     )
     out = torch.empty(case.total_q * 2, 16, dtype=torch.int32, device=device)
     torch.library.opcheck(
-        torch.ops.indexer.topk_select16, (wrapper.scores, wrapper.num_valid_pages, out),
+        torch.ops.indexer.topk_select16, (wrapper.scores, wrapper.num_valid_pages, out, plan.errors,
+                                          topk_key.warps_per_row),
         test_utils=("test_schema", "test_faketensor"),
     )
     compiled = torch.compile(lambda q, k: wrapper.run(q, k).clone())

@@ -28,7 +28,7 @@ def test_cuda_matches_cpu_bitwise(num_heads):
     assert torch.equal(cpu_wrapper.num_valid_pages, gpu_wrapper.num_valid_pages.cpu())
     assert torch.equal(cpu_scores.view(torch.int32), gpu_scores.view(torch.int32))  # NaN where unwritten, bit for bit
     assert torch.equal(cpu_selection, gpu_selection)
-    for name in ("descriptors", "num_tasks", "bucket_offsets", "error_flags"):
+    for name in ("descriptors", "num_tasks", "errors"):
         cpu_plan, gpu_plan = cpu_wrapper.task_plan, gpu_wrapper.task_plan
         if name == "descriptors":
             count = int(cpu_plan.num_tasks[0])

@@ -2,13 +2,15 @@
 
 import pytest
 
-from indexer import bench, cute_backend, planner
+from indexer import bench
 
 
 def result(num_heads, total_q, run_us, weight=0):
     return dict(case_id=f"prefill_{total_q:012d}", batch=1, total_q=total_q, max_kv=total_q + 4096, weight=weight,
                 num_heads=num_heads, tasks=10, sm_busy=0.5 + total_q / 100000, scores_ms=run_us * 0.9e-3,
-                topk_ms=run_us * 0.1e-3, run_ms=run_us * 1e-3, useful_flops=10**9, tflops_scores=1000.0)
+                topk_ms=run_us * 0.1e-3, run_ms=run_us * 1e-3, useful_flops=10**9, tflops_scores=1000.0,
+                eager_run_ms=run_us * 1.05e-3, eager_cold_run_ms=run_us * 1.2e-3, host_run_us=20.0, host_run_scores_us=10.0, host_plan_us=40.0,
+                sm_busy_tile_time=0.9)
 
 
 def test_summary_reports_weighted_means_and_the_query_length_classes(capsys):
@@ -27,47 +29,36 @@ def test_classes_split_at_512_and_4096_query_tokens():
     assert [[r["total_q"] for r in rows] for rows in classes.values()] == [[511], [512, 4095], [4096]]
 
 
-SETTINGS = {
-    "--issue-ring": (cute_backend, "SCORE_ISSUE_RING", {"progress": "progress", "commit": "commit", "none": None}),
-    "--tma-stores": (cute_backend, "SCORE_TMA_STORES", {"off": False, "on": True}),
-    "--programmatic-topk": (cute_backend, "PROGRAMMATIC_TOPK", {"off": False, "on": True}),
-    "--topk-row-split-max-rows": (cute_backend, "TOPK_ROW_SPLIT_MAX_ROWS", {"0": 0, "4096": 4096}),
-    "--integer-row-max": (cute_backend, "SCORE_INTEGER_ROW_MAX", {"off": False, "on": True}),
-    "--skip-idle-warpgroups": (cute_backend, "SCORE_SKIP_IDLE_WARPGROUPS", {"off": False, "on": True}),
-    "--task-cost": (planner, "DEFAULT_TASK_COST", {"tile": "tile", "rows": "rows", "warpgroup": "warpgroup"}),
-    "--task-order": (planner, "DEFAULT_TASK_ORDER", {"snake": "snake", "buckets": "buckets"}),
-    "--chunk-policy": (planner, "DEFAULT_CHUNK_POLICY", {"fill_sms": "fill_sms", "balanced": "balanced"}),
-    "--tile-rows": (cute_backend, "SCORE_TILE_ROWS", {"128": 128, "256": 256}),
-}
+def test_summary_reports_the_eager_columns(capsys):
+    rows = [dict(result(4, 100, 10.0, weight=1), eager_run_ms=12e-3), result(4, 8192, 400.0)]
+    bench.print_summary(rows)
+    out = capsys.readouterr().out
+    assert "| 4 | 00000100 | 1 | 100 | 4196 | 10 | 0.50 | 9.0 | 1.0 | 10.0 | 12.0 | 1.20 | 12.0 | 20.0 / 10.0 / 40.0 |" in out
+    assert "H=4 eager: weighted mean run 12.0 us (1.20x the graph replay)" in out
+    assert "H=4 eager / graph over the 1 cases of >= 0.2 ms: max 1.050" in out
 
 
-@pytest.mark.parametrize("option, value", [(option, value) for option, (_, _, values) in SETTINGS.items() for value in values])
-def test_each_option_sets_the_library_default_it_names(option, value, monkeypatch):
-    """The bench's A/B switches set the library's module-level defaults before any plan or kernel is built."""
-    module, name, values = SETTINGS[option]
-    monkeypatch.setattr(module, name, "unset")
+def test_the_command_line_keeps_what_users_need(monkeypatch, capsys):
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-        bench.main(["--quick", option, value])
-    assert getattr(module, name) == values[value] and type(getattr(module, name)) is type(values[value])
+        bench.main(["--quick", "--heads", "1,4", "--case", "8192,32768", "--precision", "fp8", "--host-lengths",
+                    "--output", "x.json"])
+    for removed in ("--issue-ring", "--tile-rows", "--topk-option", "--task-cost", "--chunk-policy"):
+        with pytest.raises(SystemExit):
+            bench.main(["--quick", removed, "1"])
+        assert "unrecognized arguments" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("text, name, value", [("rest_batch=1", "rest_batch", 1), ("lane_list_length=none", "lane_list_length", None),
-                                               ("winners_in_shared=off", "winners_in_shared", False),
-                                               ("heads_in_registers=on", "heads_in_registers", True)])
-def test_topk_option_sets_one_kernel_option(text, name, value, monkeypatch):
-    options = dict(cute_backend.TOPK_KERNEL_OPTIONS)
-    monkeypatch.setattr(cute_backend, "TOPK_KERNEL_OPTIONS", options)
-    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-        bench.main(["--quick", "--topk-option", text, "--topk-option", "saturating_u16_levels=off"])
-    assert options[name] is value or options[name] == value and type(options[name]) is type(value)
-    assert options["saturating_u16_levels"] is False
+def test_results_are_written_atomically(tmp_path, monkeypatch):
+    path = tmp_path / "out" / "bench.json"
+    bench.write_json_atomically(path, [1, 2])
+    assert path.read_text().replace("\n", "").replace(" ", "") == "[1,2]"
 
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt
 
-@pytest.mark.parametrize("text", ["rest_batch", "no_such_option=1", "rest_batch=fast"])
-def test_topk_option_rejects_unknown_names_and_values(text, monkeypatch, capsys):
-    monkeypatch.setattr(cute_backend, "TOPK_KERNEL_OPTIONS", dict(cute_backend.TOPK_KERNEL_OPTIONS))
-    with pytest.raises(SystemExit):
-        bench.main(["--quick", "--topk-option", text])
-    assert "--topk-option" in capsys.readouterr().err
+    monkeypatch.setattr(bench.json, "dump", crash)
+    with pytest.raises(KeyboardInterrupt):
+        bench.write_json_atomically(path, [3])
+    assert path.read_text().replace("\n", "").replace(" ", "") == "[1,2]"
+    assert [p.name for p in path.parent.iterdir()] == ["bench.json"], "no temporary file is left behind"

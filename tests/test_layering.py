@@ -29,3 +29,20 @@ def test_no_host_syncs_in_the_planner():
     source = (ROOT / "indexer" / "planner.py").read_text()
     for forbidden in (".item(", ".cpu(", ".tolist(", ".numpy(", "synchronize(", "nonzero("):
         assert forbidden not in source, forbidden
+
+
+PUBLIC_INDEXER_MODULES = {"indexer", "indexer.contract", "indexer.wrapper", "indexer.cute_runtime",
+                          "indexer.compile_check"}
+
+
+def test_upper_layers_use_only_the_indexers_public_modules():
+    """The model's kernels share the indexer's CuTe runtime module; nothing reaches into its backend or kernels."""
+    for package in ("minimax_m3", "eval"):
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                         else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                         else [])
+                for name in names:
+                    if name.split(".")[0] == "indexer":
+                        assert name in PUBLIC_INDEXER_MODULES, f"{path.relative_to(ROOT)} imports {name}"

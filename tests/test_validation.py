@@ -281,9 +281,11 @@ def test_kernels_are_registered_as_custom_ops_with_fake_implementations():
     with FakeTensorMode():
         scores = torch.empty(8, 4)
         out = torch.empty(8, 16, dtype=torch.int32)
-        assert torch.ops.indexer.topk_select16(scores, torch.ones(8, dtype=torch.int32), out) is None
+        errors = torch.zeros(3, dtype=torch.int32)
+        assert torch.ops.indexer.topk_select16(scores, torch.ones(8, dtype=torch.int32), out, errors, 1) is None
         q = torch.empty(4, 2, 128, dtype=torch.float8_e4m3fn)
         k = torch.empty(3, 128, 128, dtype=torch.float8_e4m3fn)
         table = torch.zeros(1, 3, dtype=torch.int32)
         descriptors = torch.zeros(1, 4, dtype=torch.int32)
-        assert torch.ops.indexer.page_scores_sm90(q, k, scores, table, descriptors, torch.zeros(1, dtype=torch.int32), 2, 128, False) is None
+        assert torch.ops.indexer.page_scores_sm90(q, k, scores, table, descriptors, torch.zeros(1, dtype=torch.int32),
+                                                  errors, 2, False, True, 132) is None

@@ -1,7 +1,7 @@
 """Persistent, warp-specialised FP8 page-score kernel for SM90 (H100/H200), in CuTe DSL.
 
-One CTA = one producer warpgroup + 2, 3 or 4 consumer warpgroups of 64 score rows each (128-, 192- or 256-row
-q tiles; 4 is the library's default). The producer's first warp walks the plan's task list (static round-robin
+One CTA = one producer warpgroup + 4 consumer warpgroups of 64 score rows each (256-row q tiles) for FP8 operands,
+or + 2 (128-row tiles, pages in pairs) for the exact variant's bf16 operands. The producer's first warp walks the plan's task list (static round-robin
 over CTAs, heaviest tasks first) and loads, by TMA, the task's Q tile into a 2-stage ring (the next task's Q
 lands while the current pages are consumed) and each history page of the task, addressed by its physical page
 id (the next block-table entry is read while the current TMA is in flight), into a multi-stage K ring. The
@@ -10,6 +10,10 @@ row to its page maximum (registers, then two quad shuffles) and write one fp32 p
 the row's local page only; with 4 consumer warpgroups the maxima of 16 pages are staged in shared memory and
 leave as one TMA store per whole block (masked row segments for the blocks on a tile's diagonal or a task's end).
 No atomics; the output is deterministic.
+
+Whatever the metadata holds, nothing is read or written outside the buffers: a task's rows are clamped to the score
+buffer's rows, its pages to the score buffer's columns and the block table's, and a physical page id outside the K
+cache reads page 0 instead and sets the ``ErrorWord.PAGE_ID`` word of ``mErrors`` (the host raises on it later).
 """
 
 from __future__ import annotations
@@ -25,10 +29,10 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass._mlir.dialects import arith, llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
-from .pipelines import make_tma_pipeline
-from .trees import pairwise_tree, ternary_tree
+from .trees import ternary_tree
 
-from ..contract import SCORE_ALIGNMENT_COLUMNS
+from ..contract import SCORE_ALIGNMENT_COLUMNS, ErrorWord
+from ..cute_runtime import make_tma_pipeline
 from ..planner import PAGE_BEGIN_MASK, PAGE_COUNT_MASK, PAGE_COUNT_SHIFT, TOKENS_MASK, TOKENS_SHIFT, DescriptorWord
 
 __all__ = ["PageScoreKernelSm90"]
@@ -104,8 +108,8 @@ class WarpRole(enum.IntEnum):
 class NamedBarrier(enum.IntEnum):
     """Hardware named-barrier ids (0 is the CTA-wide ``bar.sync``)."""
 
-    ISSUE_RING = 1  # ids ISSUE_RING + w, w = consumer warpgroup: the wgmma issue token (``issue_ring``)
-    STAGED_MAXIMA = 5  # ids STAGED_MAXIMA + w: warpgroup w's staged row maxima are written / read (``staged_stores``)
+    ISSUE_RING = 1  # ids ISSUE_RING + w, w = consumer warpgroup: the wgmma issue token (FP8 variant)
+    STAGED_MAXIMA = 5  # ids STAGED_MAXIMA + w: warpgroup w's staged row maxima are written / read (FP8 variant)
 
 
 class PageScoreKernelSm90:
@@ -121,129 +125,64 @@ class PageScoreKernelSm90:
     threads_per_warpgroup = 128
     rows_per_consumer_warpgroup = 64  # one wgmma M
 
-    def __init__(
-        self,
-        num_heads: int,
-        *,
-        consumer_warpgroups: int = 2,
-        exact: bool = False,
-        k_stages: int = None,
-        q_stages: int = 2,
-        issue_ring: Optional[str] = None,
-        staged_stores: Optional[bool] = None,
-        staged_pages: int = 16,
-        tma_stores: bool = False,
-        release_dependents: bool = False,
-        integer_row_max: bool = False,
-        skip_idle_warpgroups: bool = False,
-    ):
-        """``consumer_warpgroups`` = 2: 128-row tiles, each warpgroup overlaps its own wgmma and
-        reduction with two accumulators (pages in pairs). 3: 192-row tiles, pages in pairs as with 2,
-        in 160 registers per consumer thread (measured 7 % slower than 4 on the weighted cases; kept for
-        experiments, docs/PERFORMANCE.md). 4: 256-row tiles (half
-        the K traffic per score), one accumulator per warpgroup, the four warpgroups interleave on the
-        tensor cores.
+    def __init__(self, num_heads: int, *, exact: bool = False, tma_stores: bool = False, num_ctas: int = 132):
+        """FP8 (``exact=False``): 256-row tiles of 4 consumer warpgroups, one accumulator each (half the K traffic per
+        score of 128-row tiles). A token passed through named barriers makes the warpgroups issue their page's four
+        wgmmas in turn (0, 1, 2, 3, 0, ...; it moves on once the four are committed), so that the row-max reductions,
+        which compete for the ALU, are staggered instead of coinciding (FlashAttention-3's warp-scheduler barriers).
+        Each warpgroup collects its rows' maxima of 16 consecutive pages in shared memory and writes them out as row
+        segments, whole 32-byte sectors per store, instead of one scattered 4-byte store per row and page.
 
-        ``exact``: operands are the bf16 upcasts of the e4m3 values (exact: e4m3 is a subset of bf16)
-        and the wgmma is ``bf16.bf16`` (k16), whose fp32 accumulation reproduces the reference
-        (measured on the H200); twice the smem per tile, so 128-row tiles and 4 K stages.
+        ``tma_stores`` (FP8): a staging block whose rows all lie inside the tile and whose pages all lie before each of
+        its rows' local page (every block but the diagonal one and a task's partial last block) leaves by one TMA
+        store (``cp.async.bulk.tensor``, shared -> global) issued by one thread; the other blocks take the masked
+        write-out. The staging blocks are double buffered, so each flush costs one warpgroup barrier. Needs a score
+        buffer whose base is 16-byte aligned and whose row pitch is a multiple of 4 floats (TMA's global-stride rule):
+        the host picks this variant only then.
 
-        ``issue_ring`` (4 consumer warpgroups): a token passed through named barriers makes the warpgroups
-        issue their page's four wgmmas in turn (0, 1, 2, 3, 0, ...), so that the row-max reductions, which
-        compete for the ALU, are staggered instead of coinciding (FlashAttention-3's warp-scheduler
-        barriers). ``"commit"`` (the library's default): the token moves on once the four wgmmas are
-        committed; measured 1.3-3 % faster than no ring at H = 4 (docs/PERFORMANCE.md, session 6).
-        ``"progress"``: each k-block is its own commit group and the token moves on once three of the four
-        are done, so the next warpgroup's wgmmas queue behind the last one; measured no faster than no ring.
+        ``exact``: operands are the bf16 upcasts of the e4m3 values (exact: e4m3 is a subset of bf16) and the wgmma is
+        ``bf16.bf16`` (k16), whose fp32 accumulation reproduces the reference (measured on the H200); twice the shared
+        memory per tile, so 128-row tiles of 2 consumer warpgroups, each overlapping its own wgmma and reduction with
+        two accumulators (pages in pairs), and 4 K stages.
 
-        ``staged_stores`` (4 consumer warpgroups; the default there): each warpgroup collects its rows' maxima
-        of ``staged_pages`` consecutive pages in shared memory and writes them out as row segments, a few full
-        32-byte sectors per store instruction, instead of one scattered 4-byte store per row and page (each of
-        which touches 8 sectors per warp): the scattered stores cost ~16 % of the kernel's time on the heavy
-        cases (docs/PERFORMANCE.md, session 7).
+        Every thread reduces its 32 values of a row as int32 bit patterns, in a tree of three-input nodes that ptxas
+        issues as ``VIMNMX3`` (16 instructions instead of 31 ``FMNMX``; sm_90 has no three-input float max). A float's
+        bits order as a signed int like the float when one of the values is non-negative; when the largest pattern is
+        negative, every value is, their order is reversed, and a min tree gives the max (a second pass, taken only
+        then). The page maxima are the float maxima (of two zeros the positive one).
 
-        ``staged_pages`` (8 or 16): the pages of one staging block.
-
-        ``tma_stores`` (with ``staged_stores``): a staging block whose rows all lie inside the tile and whose pages
-        all lie before each of its rows' local page (every block but the diagonal one and a task's partial last
-        block) is written by one TMA store (``cp.async.bulk.tensor``, shared -> global) issued by one thread, instead
-        of the warpgroup's loads and stores; the other blocks keep the masked write-out. The staging blocks are
-        double buffered, so each flush costs one warpgroup barrier. Needs a score buffer whose base is 16-byte
-        aligned and whose row pitch is a multiple of 4 floats (TMA's global-stride rule): the host picks this
-        variant only then. (A producer-side store warp that wrote the blocks out instead was 19-45 % slower and was
-        removed: docs/PERFORMANCE.md, session 8.)
-
-        ``release_dependents``: every CTA executes ``griddepcontrol.launch_dependents`` as it starts, so a kernel
-        launched after this one as a programmatic dependent (the top-k with ``programmatic_launch``) may put its
-        CTAs on the SMs whose persistent CTA has finished; that kernel still waits for this one's completion before
-        it reads the scores. No effect on other launches.
-
-        ``integer_row_max``: each thread reduces its 32 values of a row as int32 bit patterns, in a tree of
-        three-input nodes that ptxas issues as ``VIMNMX3`` (16 instructions instead of 31 ``FMNMX``; sm_90 has no
-        three-input float max). A float's bits order as a signed int like the float when one of the values is
-        non-negative; when the largest pattern is negative, every value is, their order is reversed, and a min tree
-        gives the max (a second pass, taken only then). The page maxima are the same values (of two zeros the
-        positive one). The row maxima were ~25 % of the kernel's stall samples (docs/PERFORMANCE.md, session 5).
-
-        ``skip_idle_warpgroups`` (4 consumer warpgroups, no ``"progress"`` ring): a warpgroup whose 64 rows all lie
-        beyond the task's valid rows (a request's last, partial tile) issues no wgmmas and reduces nothing; it only
-        waits for each page, passes the issue token on and releases the page, so the active warpgroups have the
-        tensor cores to themselves. Such a task then costs about its active warpgroups' share of a full one (the
-        planner's ``task_cost="warpgroup"``).
+        ``num_ctas``: the persistent grid, one CTA per SM.
         """
         if num_heads not in (1, 2, 4):
             raise ValueError(f"num_heads must be 1, 2 or 4, got {num_heads}")
-        if consumer_warpgroups not in (2, 3, 4):
-            raise ValueError(f"consumer_warpgroups must be 2, 3 or 4, got {consumer_warpgroups}")
-        if exact and consumer_warpgroups != 2:
-            raise ValueError("the exact (bf16) variant has 128-row tiles: consumer_warpgroups must be 2")
+        if tma_stores and exact:
+            raise ValueError("tma_stores writes the FP8 variant's staged blocks: the exact variant stores directly")
+        if type(num_ctas) is not int or num_ctas < 1:
+            raise ValueError(f"num_ctas must be a positive int, got {num_ctas!r}")
         self.exact = exact
         self.operand_dtype = cutlass.BFloat16 if exact else cutlass.Float8E4M3FN
         operand_bytes = 2 if exact else 1
-        if k_stages is None:
-            k_stages = 4 if exact else 8
-        if not 2 <= k_stages <= 12:
-            raise ValueError(f"k_stages must lie in [2, 12], got {k_stages}")
-        if q_stages not in (1, 2):
-            raise ValueError(f"q_stages must be 1 or 2, got {q_stages}")
-        if issue_ring not in (None, "commit", "progress"):
-            raise ValueError(f"issue_ring must be None, 'commit' or 'progress', got {issue_ring!r}")
-        if issue_ring and consumer_warpgroups != 4:
-            raise ValueError("issue_ring orders one accumulator per warpgroup: consumer_warpgroups must be 4")
-        self.issue_ring = issue_ring
-        if staged_stores is None:
-            staged_stores = consumer_warpgroups == 4
-        if staged_stores and consumer_warpgroups != 4:
-            raise ValueError("staged_stores is built for one accumulator per warpgroup: consumer_warpgroups must be 4")
-        self.staged_stores = staged_stores
-        if staged_pages not in (8, 16):
-            raise ValueError(f"staged_pages must be 8 or 16, got {staged_pages}")
-        self.staged_pages = staged_pages
-        if tma_stores and not staged_stores:
-            raise ValueError("tma_stores writes the consumers' staged blocks: it needs staged_stores")
+        consumer_warpgroups = 2 if exact else 4
+        self.issue_ring = not exact
+        self.staged_stores = not exact
+        self.staged_pages = 16
         self.tma_stores = tma_stores
-        self.release_dependents = release_dependents
-        self.integer_row_max = integer_row_max
-        if skip_idle_warpgroups and (consumer_warpgroups != 4 or issue_ring == "progress"):
-            raise ValueError("skip_idle_warpgroups needs 4 consumer warpgroups and no 'progress' issue ring")
-        self.skip_idle_warpgroups = skip_idle_warpgroups
         self.maxima_buffers = 2 if tma_stores else 1
         self.num_heads = num_heads
+        self.num_ctas = num_ctas
         self.num_consumer_warpgroups = consumer_warpgroups
-        self.paired_pages = consumer_warpgroups in (2, 3)
+        self.paired_pages = exact
         self.tile_rows = self.rows_per_consumer_warpgroup * consumer_warpgroups
         # setmaxnreg only moves registers within the CTA's launch allocation (ptxas's count x threads:
-        # 168 x 384, 128 x 512 and 96 x 640); asking for more than the producer frees blocks forever.
-        self.producer_registers, self.consumer_registers = {2: (40, 232), 3: (24, 160), 4: (24, 112)}[consumer_warpgroups]
-        self.k_stages = k_stages
-        self.q_stages = q_stages
+        # 168 x 384 and 96 x 640); asking for more than the producer frees blocks forever.
+        self.producer_registers, self.consumer_registers = (40, 232) if exact else (24, 112)
+        self.k_stages = 4 if exact else 8
+        self.q_stages = 2  # the next task's Q tile lands while the current pages are consumed
         self.threads_per_cta = (1 + consumer_warpgroups) * self.threads_per_warpgroup
         self.q_tile_bytes = self.tile_rows * self.head_dim * operand_bytes
         self.page_bytes = self.page_size * self.head_dim * operand_bytes
         needed = self._shared_memory_bytes_needed()
-        if needed > self.shared_memory_bytes:
-            raise ValueError(f"this configuration needs {needed} bytes of shared memory per CTA, more than the "
-                             f"{self.shared_memory_bytes} an SM90 CTA may have: lower k_stages or staged_pages")
+        assert needed <= self.shared_memory_bytes, f"{needed} bytes of shared memory per CTA"
 
     def _shared_memory_bytes_needed(self) -> int:
         barriers = 8 * 2 * (self.q_stages + self.k_stages)
@@ -279,13 +218,13 @@ class PageScoreKernelSm90:
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor,  # (total_q * H, 128) e4m3 (bf16 for exact), K-major
-        mK: cute.Tensor,  # (128 tokens, 128 dims, num_pages) like mQ, page stride free
+        mQ: cute.Tensor,  # (total_q, H, 128) e4m3 (bf16 for exact), contiguous
+        mK: cute.Tensor,  # (num_pages, 128 tokens, 128 dims) like mQ, each page contiguous, page stride free
         mScores: cute.Tensor,  # (total_q * H, pitch) fp32, unit column stride
         mBlockTable: cute.Tensor,  # (B, >= max_pages) int32
         mDescriptors: cute.Tensor,  # (task_capacity, 4) int32
         mNumTasks: cute.Tensor,  # (1,) int32
-        num_ctas: cutlass.Constexpr,
+        mErrors: cute.Tensor,  # (>= ErrorWord count,) int32: ErrorWord.PAGE_ID is set to 1 on a bad page id
         stream,
     ):
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -299,6 +238,11 @@ class PageScoreKernelSm90:
         )
         sQ_layout = self._smem_layout(self.tile_rows, self.q_stages)
         sK_layout = self._smem_layout(self.page_size, self.k_stages)
+        # the operands as the wgmmas read them: q rows (token, head) K-major, K as (token, dim, page)
+        mQ = cute.make_tensor(mQ.iterator, cute.make_layout((mQ.shape[0] * self.num_heads, self.head_dim),
+                                                            stride=(self.head_dim, 1)))
+        mK = cute.make_tensor(mK.iterator, cute.make_layout((self.page_size, self.head_dim, mK.shape[0]),
+                                                            stride=(self.head_dim, 1, mK.stride[0])))
         tma_atom_q, mQ_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.slice_(sQ_layout, (None, None, 0)), (self.tile_rows, self.head_dim)
         )
@@ -332,11 +276,13 @@ class PageScoreKernelSm90:
             mBlockTable,
             mDescriptors,
             mNumTasks,
+            mErrors,
+            cute.size(mK, mode=[2]),
             tiled_mma,
             sQ_layout,
             sK_layout,
         ).launch(
-            grid=(num_ctas, 1, 1),
+            grid=(self.num_ctas, 1, 1),
             block=(self.threads_per_cta, 1, 1),
             min_blocks_per_mp=1,
             stream=stream,
@@ -355,12 +301,12 @@ class PageScoreKernelSm90:
         mBlockTable: cute.Tensor,
         mDescriptors: cute.Tensor,
         mNumTasks: cute.Tensor,
+        mErrors: cute.Tensor,
+        num_pages: cutlass.Int32,
         tiled_mma: cute.TiledMma,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
     ):
-        if cutlass.const_expr(self.release_dependents):
-            cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
@@ -386,8 +332,8 @@ class PageScoreKernelSm90:
         if warpgroup_idx == WarpRole.PRODUCER:
             cute.arch.warpgroup_reg_dealloc(self.producer_registers)
             if warp_idx == 0:
-                self.load(tma_atom_q, mQ, tma_atom_k, mK, sQ, sK, mBlockTable, mDescriptors,
-                          q_pipeline, k_pipeline, cta_idx, num_ctas, num_tasks)
+                self.load(tma_atom_q, mQ, tma_atom_k, mK, sQ, sK, mBlockTable, mDescriptors, mErrors, num_pages,
+                          mScores.shape[1], q_pipeline, k_pipeline, cta_idx, num_ctas, num_tasks)
         else:
             cute.arch.warpgroup_reg_alloc(self.consumer_registers)
             self.score(tiled_mma, sQ, sK, sMaxima, mScores, tma_atom_scores, mScores_tma, mDescriptors,
@@ -398,8 +344,8 @@ class PageScoreKernelSm90:
         return make_tma_pipeline(barriers, stages, stage_bytes, consumer_warps)
 
     @cute.jit
-    def load(self, tma_atom_q, mQ, tma_atom_k, mK, sQ, sK, mBlockTable, mDescriptors,
-             q_pipeline, k_pipeline, cta_idx, num_ctas, num_tasks):
+    def load(self, tma_atom_q, mQ, tma_atom_k, mK, sQ, sK, mBlockTable, mDescriptors, mErrors, num_pages,
+             score_columns, q_pipeline, k_pipeline, cta_idx, num_ctas, num_tasks):
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.k_stages)
         gK = cute.local_tile(mK, (self.page_size, self.head_dim), (None, None, None))  # (128, 128, 1, 1, pages)
@@ -409,7 +355,8 @@ class PageScoreKernelSm90:
         for task in cutlass.range(cta_idx, num_tasks, num_ctas, unroll=1):
             descriptor = load_task(mDescriptors, task, self.num_heads)
             row_begin, request = descriptor.row_begin, descriptor.request
-            page_begin, page_count = descriptor.page_begin, descriptor.page_count
+            page_begin = descriptor.page_begin
+            page_count = self._clamped_page_count(descriptor, score_columns)
             if cutlass.const_expr(self.paired_pages):
                 # An odd chunk is padded with the next page: it exists (at most the local page of the
                 # tile's last token) and the consumers never store it, since it is not before any row's L.
@@ -423,11 +370,13 @@ class PageScoreKernelSm90:
             cute.copy(tma_atom_q, tQgQ, tQsQ[(None, q_state.index)], tma_bar_ptr=q_pipeline.producer_get_barrier(q_state))
             q_state.advance()
 
-            physical_page = mBlockTable[request, page_begin]
+            last_column = mBlockTable.shape[1] - 1
+            physical_page = self._checked_page(mBlockTable[request, cutlass.min(page_begin, last_column)], num_pages,
+                                               mErrors)
             for page in cutlass.range(page_count, unroll=1):
                 # read the next entry now: its latency hides behind this page's TMA
-                next_page = page_begin + cutlass.min(page + 1, page_count - 1)
-                next_physical_page = mBlockTable[request, next_page]
+                next_page = cutlass.min(page_begin + cutlass.min(page + 1, page_count - 1), last_column)
+                next_physical_page = self._checked_page(mBlockTable[request, next_page], num_pages, mErrors)
                 k_pipeline.producer_acquire(k_state)
                 cute.copy(
                     tma_atom_k,
@@ -439,6 +388,25 @@ class PageScoreKernelSm90:
                 physical_page = next_physical_page
         q_pipeline.producer_tail(q_state)
         k_pipeline.producer_tail(k_state)
+
+    @cute.jit
+    def _checked_page(self, page, num_pages, mErrors):
+        """``page`` when it is a page of the K cache, else page 0 with ``ErrorWord.PAGE_ID`` set (its scores are then
+        meaningless, never out of bounds)."""
+        checked = page
+        if (page < 0) | (page >= num_pages):
+            mErrors[int(ErrorWord.PAGE_ID)] = 1
+            checked = cutlass.Int32(0)
+        return checked
+
+    def _clamped_page_count(self, descriptor, score_columns):
+        """The task's pages that lie inside the score buffer's columns (all of them for a plan's own tasks;
+        trace-time helper, producer and consumers compute the same)."""
+        return cutlass.min(descriptor.page_count, score_columns - descriptor.page_begin)
+
+    def _clamped_rows(self, descriptor, score_rows):
+        """The task's rows that lie inside the score buffer's rows (trace-time helper)."""
+        return cutlass.min(descriptor.rows, score_rows - descriptor.row_begin)
 
     @cute.jit
     def score(self, tiled_mma, sQ, sK, sMaxima, mScores, tma_atom_scores, mScores_tma, mDescriptors,
@@ -455,17 +423,18 @@ class PageScoreKernelSm90:
         k_release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.k_stages)
         staging_buffer = cutlass.Int32(0)  # tma_stores: the double-buffered block this warpgroup fills
         consumer_warpgroup = cute.arch.make_warp_uniform(consumer_tidx // self.threads_per_warpgroup)
-        if cutlass.const_expr(self.issue_ring is not None):
+        if cutlass.const_expr(self.issue_ring):
             # the last warpgroup hands the first one its first token
             if consumer_warpgroup == self.num_consumer_warpgroups - 1:
                 self._pass_issue_token(consumer_warpgroup)
         for task in cutlass.range(cta_idx, num_tasks, num_ctas, unroll=1):
             descriptor = load_task(mDescriptors, task, self.num_heads)
-            page_begin, page_count = descriptor.page_begin, descriptor.page_count
+            page_begin = descriptor.page_begin
+            page_count = self._clamped_page_count(descriptor, mScores.shape[1])
             rows = RowTargets(
                 consumer_tidx,
                 descriptor.row_begin,
-                descriptor.rows,
+                self._clamped_rows(descriptor, mScores.shape[0]),
                 first_row,
                 second_row,
                 self._local_page(descriptor.position_begin, first_row),
@@ -493,24 +462,13 @@ class PageScoreKernelSm90:
                     self._store_page(acc_odd, rows, mScores, page + 1)
             else:
                 # One accumulator per warpgroup: while one warpgroup reduces, the others' wgmmas run.
-                if cutlass.const_expr(self.skip_idle_warpgroups):
-                    if consumer_warpgroup * self.rows_per_consumer_warpgroup < rows.valid_rows:
-                        k_read_state, k_release_state, staging_buffer = self._score_pages(
-                            tiled_mma, tSrQ, tSrK, tScS, q_state, k_pipeline, k_read_state, k_release_state, rows,
-                            sMaxima, mScores, tma_atom_scores, mScores_tma, consumer_warpgroup, staging_buffer,
-                            page_begin, page_count)
-                    else:
-                        for _ in cutlass.range(page_count, unroll=1):
-                            k_read_state = self._pass_page(k_pipeline, k_read_state, consumer_warpgroup)
-                            k_release_state = self._release_page(k_pipeline, k_release_state)
-                else:
-                    k_read_state, k_release_state, staging_buffer = self._score_pages(
-                        tiled_mma, tSrQ, tSrK, tScS, q_state, k_pipeline, k_read_state, k_release_state, rows,
-                        sMaxima, mScores, tma_atom_scores, mScores_tma, consumer_warpgroup, staging_buffer,
-                        page_begin, page_count)
+                k_read_state, k_release_state, staging_buffer = self._score_pages(
+                    tiled_mma, tSrQ, tSrK, tScS, q_state, k_pipeline, k_read_state, k_release_state, rows,
+                    sMaxima, mScores, tma_atom_scores, mScores_tma, consumer_warpgroup, staging_buffer,
+                    page_begin, page_count)
             q_pipeline.consumer_release(q_state)
             q_state.advance()
-        if cutlass.const_expr(self.issue_ring is not None):
+        if cutlass.const_expr(self.issue_ring):
             # every warpgroup issued as many pages; the last one's final token is still pending
             if consumer_warpgroup == 0:
                 self._wait_issue_token(consumer_warpgroup)
@@ -527,9 +485,6 @@ class PageScoreKernelSm90:
             acc = cute.make_rmem_tensor(tScS.shape, cutlass.Float32)
             k_read_state = self._issue_page(tiled_mma, acc, tSrQ, tSrK, q_state, k_pipeline, k_read_state,
                                             consumer_warpgroup)
-            if cutlass.const_expr(self.issue_ring == "progress"):
-                warpgroup.wait_group(1)
-                self._pass_issue_token(consumer_warpgroup)
             warpgroup.wait_group(0)
             k_release_state = self._release_page(k_pipeline, k_release_state)
             if cutlass.const_expr(self.tma_stores):
@@ -541,27 +496,13 @@ class PageScoreKernelSm90:
                                               mScores, tma_atom_scores, mScores_tma, consumer_warpgroup,
                                               page_begin + page_offset - slot, slot + 1)
                     staging_buffer = 1 - staging_buffer
-            elif cutlass.const_expr(self.staged_stores):
+            else:
                 slot = page_offset % self.staged_pages
                 self._stage_page(acc, rows, sMaxima[None, None, 0, consumer_warpgroup], consumer_warpgroup, slot)
                 if slot == self.staged_pages - 1 or page_offset == page_count - 1:
                     self._write_staged_maxima(sMaxima[None, None, 0, consumer_warpgroup], rows, mScores,
                                               consumer_warpgroup, page_begin + page_offset - slot, slot + 1)
-            else:
-                self._store_page(acc, rows, mScores, page_begin + page_offset)
         return k_read_state, k_release_state, staging_buffer
-
-    @cute.jit
-    def _pass_page(self, k_pipeline, k_read_state, consumer_warpgroup):
-        """An idle warpgroup's turn at a page (``skip_idle_warpgroups``): wait for it as the others do, so its release
-        stays in the page's phase, and pass the issue token on without issuing anything."""
-        k_pipeline.consumer_wait(k_read_state)
-        if cutlass.const_expr(self.issue_ring is not None):
-            self._wait_issue_token(consumer_warpgroup)
-            self._pass_issue_token(consumer_warpgroup)
-        next_state = k_read_state.clone()
-        next_state.advance()
-        return next_state
 
     def _local_page(self, position_begin, tile_row):
         """L of a tile row: its token's local page, so pages [0, L) are its history (trace-time helper)."""
@@ -584,10 +525,9 @@ class PageScoreKernelSm90:
     @cute.jit
     def _issue_page(self, tiled_mma, acc, tSrQ, tSrK, q_state, k_pipeline, k_read_state, consumer_warpgroup=None):
         """Wait for the next K page and issue its four k32 wgmmas into ``acc`` (not waited on); with the
-        issue ring, only while holding the token, which ``"commit"`` passes on once the four are committed
-        (``"progress"``: the caller passes it once three k-blocks are done)."""
+        issue ring, only while holding the token, which passes on once the four are committed."""
         k_pipeline.consumer_wait(k_read_state)
-        if cutlass.const_expr(self.issue_ring is not None):
+        if cutlass.const_expr(self.issue_ring):
             self._wait_issue_token(consumer_warpgroup)
         warpgroup.fence()
         # a fresh atom per page: setting ACCUMULATE on the loop-carried tiled MMA breaks SSA dominance
@@ -601,11 +541,8 @@ class PageScoreKernelSm90:
                 tSrK[(None, None, k_block, k_read_state.index)],
                 acc,
             )
-            if cutlass.const_expr(self.issue_ring == "progress"):
-                warpgroup.commit_group()
-        if cutlass.const_expr(self.issue_ring != "progress"):
-            warpgroup.commit_group()
-        if cutlass.const_expr(self.issue_ring == "commit"):
+        warpgroup.commit_group()
+        if cutlass.const_expr(self.issue_ring):
             self._pass_issue_token(consumer_warpgroup)
         next_state = k_read_state.clone()
         next_state.advance()
@@ -705,24 +642,16 @@ class PageScoreKernelSm90:
     def _page_row_maxima(self, acc):
         """This thread's two accumulator rows reduced to their page maxima (complete in every lane of the quad)."""
         values_per_row = cute.size(acc) // 2
-        if cutlass.const_expr(self.integer_row_max):
-            return (self._quad_max(self._row_max_by_bits(acc, 0, values_per_row)),
-                    self._quad_max(self._row_max_by_bits(acc, 1, values_per_row)))
-        return (self._quad_max(self._row_max(acc, 0, values_per_row)),
-                self._quad_max(self._row_max(acc, 1, values_per_row)))
+        return (self._quad_max(self._row_max_by_bits(acc, 0, values_per_row)),
+                self._quad_max(self._row_max_by_bits(acc, 1, values_per_row)))
 
     @staticmethod
     def _row_values(acc, half: int, values_per_row: int) -> list:
         return [acc[pair + 2 * half + 4 * group] for group in range(values_per_row // 2) for pair in range(2)]
 
-    @staticmethod
-    def _row_max(acc, half: int, values_per_row: int):
-        """Max over this thread's values of one accumulator row, as a balanced tree (trace time)."""
-        return pairwise_tree(PageScoreKernelSm90._row_values(acc, half, values_per_row), cute.arch.fmax)
-
     @cute.jit
     def _row_max_by_bits(self, acc, half: cutlass.Constexpr, values_per_row: cutlass.Constexpr):
-        """The same max as ``_row_max`` from the values' bit patterns as int32 (``integer_row_max``)."""
+        """Max over this thread's values of one accumulator row, from their bit patterns as int32 (see ``__init__``)."""
         bits = [float_bits(value) for value in self._row_values(acc, half, values_per_row)]
         largest = ternary_tree(bits, cutlass.max)
         if largest < 0:  # every value is negative (sign bit set): a larger pattern is a smaller float

@@ -3,10 +3,9 @@
 One warp per score row, several rows per CTA, one launch for all rows. Each lane reads a strided
 share of the row's history into registers (8, 12 or 16 columns by row length; rows beyond 512
 history pages read the rest twice, four columns per loop trip so their loads overlap). Pass one
-finds the row's min/max (warp butterflies), pass two builds the 16-bit quantised keys. On rows of more than 256 pages a lane keeps its 4 largest keys
-(groups of four sorted by a network of branch-free integer min/max, merged pairwise) and parks them
-in shared memory. The warp
-then takes the top 15 in 15 rounds of one ``redux.sync.max`` over the lanes' list heads; the winning
+finds the row's min/max (a tree per lane, one ``redux.sync`` each across the warp), pass two builds the 16-bit
+quantised keys. On rows of more than 256 pages a lane keeps its 4 largest keys (groups of four sorted by a network
+of branch-free integer min/max, merged pairwise) and parks them in shared memory. The warp then takes the top 15 in 15 rounds of one ``redux.sync.max`` over the lanes' list heads; the winning
 lane advances its head by one shared-memory read. A row where one lane wins 4 of the first 14 rounds
 is redone by the exhaustive path, where every lane sorts all its keys (odd-even merge network), so
 the result never depends on how the keys fall across lanes. The arithmetic is written in PTX with
@@ -28,7 +27,7 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from ..contract import MAX_PAGES_PER_ROW, QUANT_BIAS, QUANT_LEVELS
+from ..contract import MAX_PAGES_PER_ROW, QUANT_BIAS, QUANT_LEVELS, ErrorWord
 from .trees import pairwise_tree
 
 __all__ = ["TopkSelectKernel", "MAX_HISTORY_PAGES"]
@@ -95,20 +94,9 @@ def fma_rn(a, b, c, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def truncate_to_u16_level(x, *, loc=None, ip=None):
-    """``clamp(trunc(x), 0, 65535)`` as an int32 (cvt.rzi.sat.u32 saturates below; the clamp bounds the top)."""
-    clamped = _asm_f32("min.f32 $0, $1, $2;", x, _MAX_LEVEL, loc=loc, ip=ip)
-    return cutlass.Int32(
-        llvm.inline_asm(T.i32(), [cutlass.Float32(clamped).ir_value(loc=loc, ip=ip)], "cvt.rzi.sat.u32.f32 $0, $1;",
-                        "=r,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                        loc=loc, ip=ip)
-    )
-
-
-@dsl_user_op
 def saturate_to_u16_level(x, *, loc=None, ip=None):
     """``clamp(trunc(x), 0, 65535)`` as an int32 in one conversion: a float-to-u16 ``cvt`` saturates at both ends
-    of the 16-bit range (NaN gives 0, as above), so no float clamp is needed."""
+    of the 16-bit range (NaN gives 0), so no float clamp is needed."""
     return cutlass.Int32(
         llvm.inline_asm(T.i32(), [cutlass.Float32(x).ir_value(loc=loc, ip=ip)],
                         "{ .reg .u16 level; cvt.rzi.sat.u16.f32 level, $1; cvt.u32.u16 $0, level; }",
@@ -175,15 +163,24 @@ def sort4_descending_network() -> list:
 class TopkSelectKernel:
     """``out[r, :] = select(scores[r, :n-1], n = num_valid_pages[r])`` for k = 16 (k - 1 ranked slots).
 
-    ``lane_list_length`` = 4 (default): the fast path. A lane keeps only its 4 largest keys (sorted
-    groups of four merged pairwise: 76 integer min/max for 16 keys instead of 126), the warp merges the
-    lists as before, and a row where some lane wins 4 of the first 14 rounds (its 5th key could belong to
-    the top 15; about 1 % of rows of random scores in a CPU model of the algorithm) is redone by the
-    exhaustive path.
-    Rows of 257-384 and 385+ history pages take it with 12 and 16 cached scores per lane (a 24-slot path
-    was faster on 513-768 pages but raised the kernel to 52 registers); rows of up to 256 pages keep the
-    exhaustive 8-slot path, which measured faster there. ``None``: the exhaustive path only (every lane
-    sorts all its keys; the v5 kernel).
+    The fast path: a lane keeps only its 4 largest keys (sorted groups of four merged pairwise: 76 integer min/max
+    for 16 keys instead of 126), the warp merges the lists, and a row where some lane wins 4 of the first 14 rounds
+    (its 5th key could belong to the top 15; about 1 % of rows of random scores in a CPU model of the algorithm) is
+    redone by the exhaustive path, where every lane sorts all its keys. Rows of 257-384 and 385+ history pages take
+    it with 12 and 16 cached scores per lane (a 24-slot path was faster on 513-768 pages but raised the kernel to 52
+    registers); rows of up to 256 pages take the exhaustive 8-slot path, which measured faster there.
+
+    Columns beyond a lane's cached slots (rows of more than 512 history pages) are read four at a time, their loads
+    issued together: rows of a thousand pages otherwise wait on ~16 load latencies per pass, which bounds
+    short-query cases, where a few hundred rows cannot hide them. A key's level comes from one float-to-u16
+    conversion that saturates at both ends; the row's min and max from a tree in each lane and one integer
+    ``redux.sync`` each across the warp on order-preserving ints; each round's winner is stored to shared memory by
+    the whole warp (one store) and lane ``r`` reads rank ``r`` back at the end; CTAs take rows from the end, where a
+    request's longest rows are, so the last wave holds short rows; and a 40-register limit lets 12 CTAs share an SM
+    (ptxas takes 48 without it under DSL 4.3.5: 10 CTAs). None of these changes a selected page.
+
+    A row length outside ``[1, score columns + 1]`` is clamped into it and sets ``ErrorWord.TOPK_ROW_LENGTH`` of
+    ``mErrors``, so no metadata makes the kernel read or write outside its buffers.
     """
 
     topk = 16
@@ -191,64 +188,17 @@ class TopkSelectKernel:
     cached_per_lane = 16  # exhaustive path: rows of up to 512 history pages are read once
     short_row_slots = 8  # exhaustive path: rows of up to 256 history pages take a path of half the work
     fast_slot_paths = (12, 16)  # fast path: cached scores per lane, by row length; longer rows read the rest twice
+    rest_batch = 4  # columns beyond the cached slots loaded per loop trip
+    max_registers = 40
 
-    def __init__(self, lane_list_length=4, rest_batch=4, programmatic_launch=False, *, saturating_u16_levels=False,
-                 row_range_by_redux=False, winners_in_shared=False, heads_in_registers=False, longest_rows_first=False,
-                 max_registers=None, warps_per_row=1):
-        """``programmatic_launch``: the kernel is launched as a programmatic dependent of the kernel before it in the
-        stream (``use_pdl``: its CTAs may be scheduled while that kernel's last CTAs run) and waits
-        (``griddepcontrol.wait``) for that kernel to complete and its writes to be visible before reading anything,
-        so the result is the same whatever ran before. The score kernel built with ``release_dependents=True`` lets
-        the top-k's CTAs onto the SMs its tail frees.
-
-        ``rest_batch``: columns beyond a lane's cached slots (rows of more than 512 history pages) are read
-        ``rest_batch`` at a time, their loads issued together, instead of one dependent load per loop trip; rows
-        of a thousand pages otherwise wait on ~16 load latencies per pass, which bounds short-query cases, where a
-        few hundred rows cannot hide them.
-
-        The rest trade integer-pipe work or per-row latency, never the result:
-        ``saturating_u16_levels``: a key's level by one float-to-u16 conversion, which saturates at both ends of
-        the 16-bit range, instead of a float clamp and a u32 conversion (one min per key fewer).
-        ``row_range_by_redux``: the row's min and max by a balanced tree in each lane and one integer ``redux.sync``
-        each across the warp on order-preserving ints, instead of a chain and five shuffle butterflies each.
-        ``winners_in_shared``: each round's winner is stored to shared memory by the whole warp (one store) and
-        lane ``r`` reads rank ``r`` back at the end, instead of a compare and a select per round and lane.
-        ``heads_in_registers``: the fast path's rounds take a winning lane's next key from its 4 keys in registers
-        (predicated moves) instead of from shared memory, which takes a shared-memory read off each round's chain.
-        ``longest_rows_first``: CTAs take rows from the end, where a request's longest rows are, so the last wave
-        holds short rows.
-        ``max_registers``: a register limit per thread (``.maxnreg``; None: ptxas chooses, 48 with ``rest_batch`` 4
-        under DSL 4.3.5). 40 lets 12 CTAs share an SM instead of 10, without spills; 32 lets 16, with a few
-        spilled bytes. More resident warps hide more of each row's load and ``redux`` latency.
-        ``warps_per_row`` 4: one row per CTA, its columns dealt out to the four warps in 32-column stripes; each warp
-        takes its share's top 15 by the exhaustive path (keys to shared memory), the row's min and max are combined
-        through shared memory, and warp 0 merges the four lists in 15 more rounds (the fast path, so
-        ``lane_list_length`` and ``heads_in_registers``, do not apply). For few long rows (short queries over long
-        contexts), where a row's chain of loads, not the SM's throughput, sets the time; the host picks it per launch
-        (``cute_backend.TOPK_ROW_SPLIT_MAX_ROWS``)."""
-        if lane_list_length is not None and (type(lane_list_length) is not int or lane_list_length != 4):
-            raise ValueError(f"lane_list_length must be 4 or None, got {lane_list_length!r}")
-        if type(rest_batch) is not int or rest_batch not in (1, 2, 4, 8):
-            raise ValueError(f"rest_batch must be 1, 2, 4 or 8, got {rest_batch!r}")
-        switches = dict(programmatic_launch=programmatic_launch, saturating_u16_levels=saturating_u16_levels,
-                        row_range_by_redux=row_range_by_redux, winners_in_shared=winners_in_shared,
-                        heads_in_registers=heads_in_registers, longest_rows_first=longest_rows_first)
-        for name, value in switches.items():
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be a bool, got {value!r}")
-        if max_registers is not None and (type(max_registers) is not int or not 24 <= max_registers <= 255):
-            raise ValueError(f"max_registers must be None or an int in [24, 255], got {max_registers!r}")
+    def __init__(self, warps_per_row: int = 1):
+        """``warps_per_row`` 4: one row per CTA, its columns dealt out to the four warps in 32-column stripes; each
+        warp takes its share's top 15 by the exhaustive path (keys to shared memory), the row's min and max are
+        combined through shared memory, and warp 0 merges the four lists in 15 more rounds. For few long rows (short
+        queries over long contexts), where a row's chain of loads, not the SM's throughput, sets the time; the host
+        picks it per plan (``cute_backend.TOPK_ROW_SPLIT_MAX_ROWS``)."""
         if type(warps_per_row) is not int or warps_per_row not in (1, self.warps_per_cta):
             raise ValueError(f"warps_per_row must be 1 or {self.warps_per_cta}, got {warps_per_row!r}")
-        self.lane_list_length = lane_list_length
-        self.rest_batch = rest_batch
-        self.programmatic_launch = programmatic_launch
-        self.saturating_u16_levels = saturating_u16_levels
-        self.row_range_by_redux = row_range_by_redux
-        self.longest_rows_first = longest_rows_first
-        self.winners_in_shared = winners_in_shared
-        self.heads_in_registers = heads_in_registers
-        self.max_registers = max_registers
         self.warps_per_row = warps_per_row
         self.column_stride = 32 * warps_per_row  # between a lane's consecutive columns
 
@@ -258,62 +208,70 @@ class TopkSelectKernel:
         mScores: cute.Tensor,  # (rows, pitch) fp32, unit column stride
         mNumValidPages: cute.Tensor,  # (rows,) int32
         mOut: cute.Tensor,  # (rows, 16) int32
+        mErrors: cute.Tensor,  # (>= ErrorWord count,) int32
         stream,
     ):
         rows = cute.size(mNumValidPages, mode=[0])
         rows_per_cta = self.warps_per_cta // self.warps_per_row
         grid = (rows + rows_per_cta - 1) // rows_per_cta
-        launcher = self.kernel(mScores, mNumValidPages, mOut)
+        launcher = self.kernel(mScores, mNumValidPages, mOut, mErrors)
         with kernel_register_limit(launcher, self.max_registers):
-            launcher.launch(grid=(grid, 1, 1), block=(32 * self.warps_per_cta, 1, 1), stream=stream,
-                            use_pdl=self.programmatic_launch)
+            launcher.launch(grid=(grid, 1, 1), block=(32 * self.warps_per_cta, 1, 1), stream=stream)
 
     @cute.kernel
-    def kernel(self, mScores: cute.Tensor, mNumValidPages: cute.Tensor, mOut: cute.Tensor):
-        if cutlass.const_expr(self.programmatic_launch):
-            cute.arch.griddepcontrol_wait()  # the scores' writer must be complete and visible
+    def kernel(self, mScores: cute.Tensor, mNumValidPages: cute.Tensor, mOut: cute.Tensor, mErrors: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         lane = tidx % 32
         warp = tidx // 32
-        if cutlass.const_expr(self.longest_rows_first):
-            # a request's rows grow with their position, and CTAs start in index order: the long ones first
-            num_ctas, _, _ = cute.arch.grid_dim()
-            cta = num_ctas - 1 - cta
-        # (lane, slot, warp): a lane's sorted keys, one bank per lane, so the merge's reads never conflict; with
-        # ``winners_in_shared`` or a split row one more slot column holds the warp's winners in rank order
-        collects_winners = self.winners_in_shared or self.warps_per_row > 1
-        slot_columns = self.cached_per_lane + (1 if cutlass.const_expr(collects_winners) else 0)
+        # a request's rows grow with their position, and CTAs start in index order: the long ones first
+        num_ctas, _, _ = cute.arch.grid_dim()
+        cta = num_ctas - 1 - cta
+        # (lane, slot, warp): a lane's sorted keys, one bank per lane, so the merge's reads never conflict; one more
+        # slot column holds the warp's winners in rank order
+        slot_columns = self.cached_per_lane + 1
         smem = cutlass.utils.SmemAllocator()
         sLists = smem.allocate_tensor(cutlass.Int32, cute.make_layout((32, slot_columns, self.warps_per_cta)), 16)
         if cutlass.const_expr(self.warps_per_row > 1):
             sRange = smem.allocate_tensor(cutlass.Float32, cute.make_layout((2, self.warps_per_cta)), 16)
             if cta < cute.size(mNumValidPages, mode=[0]):
-                self.select_split_row(mScores, mNumValidPages, mOut, sLists, sRange, cta, lane, warp)
+                self.select_split_row(mScores, mNumValidPages, mOut, mErrors, sLists, sRange, cta, lane, warp)
         else:
-            self.select_warp_row(mScores, mNumValidPages, mOut, sLists, cta * self.warps_per_cta + warp, lane, warp)
+            self.select_warp_row(mScores, mNumValidPages, mOut, mErrors, sLists, cta * self.warps_per_cta + warp, lane,
+                                 warp)
 
     @cute.jit
-    def select_warp_row(self, mScores, mNumValidPages, mOut, sLists, row, lane, warp):
+    def checked_row_length(self, mNumValidPages, mScores, mErrors, row):
+        """The row's ``num_valid_pages`` clamped into ``[1, columns + 1]`` (``ErrorWord.TOPK_ROW_LENGTH`` set when it
+        lay outside)."""
+        num_valid = mNumValidPages[row]
+        limit = mScores.shape[1] + 1
+        checked = num_valid
+        if (num_valid < 1) | (num_valid > limit):
+            mErrors[int(ErrorWord.TOPK_ROW_LENGTH)] = 1
+            checked = cutlass.max(cutlass.min(num_valid, limit), 1)
+        return checked
+
+    @cute.jit
+    def select_warp_row(self, mScores, mNumValidPages, mOut, mErrors, sLists, row, lane, warp):
         """One warp, one row."""
         if row < cute.size(mNumValidPages, mode=[0]):
-            num_valid = mNumValidPages[row]
+            num_valid = self.checked_row_length(mNumValidPages, mScores, mErrors, row)
             history = num_valid - 1
             if num_valid <= self.topk:
                 if lane < self.topk:
                     mOut[row, lane] = lane if lane < num_valid else -1
             else:
+                # rows of up to 256 history pages keep the exhaustive 8-slot path: measured faster there
                 exhaustive = cutlass.Boolean(True)
-                if cutlass.const_expr(self.lane_list_length is not None):
-                    # rows of up to 256 history pages keep the exhaustive 8-slot path: measured faster there
-                    paths = self.fast_slot_paths
-                    if history <= 32 * self.short_row_slots:
-                        exhaustive = cutlass.Boolean(True)
-                    elif history <= 32 * paths[0]:
-                        exhaustive = self.select_row_fast(mScores, mOut, sLists, row, lane, warp, history, paths[0],
-                                                          self.short_row_slots)
-                    else:
-                        exhaustive = self.select_row_fast(mScores, mOut, sLists, row, lane, warp, history, paths[1], paths[0])
+                paths = self.fast_slot_paths
+                if history <= 32 * self.short_row_slots:
+                    exhaustive = cutlass.Boolean(True)
+                elif history <= 32 * paths[0]:
+                    exhaustive = self.select_row_fast(mScores, mOut, sLists, row, lane, warp, history, paths[0],
+                                                      self.short_row_slots)
+                else:
+                    exhaustive = self.select_row_fast(mScores, mOut, sLists, row, lane, warp, history, paths[1], paths[0])
                 if exhaustive:
                     if history <= 32 * self.short_row_slots:
                         self.select_row(mScores, mOut, sLists, row, lane, warp, num_valid, self.short_row_slots, lane)
@@ -331,12 +289,7 @@ class TopkSelectKernel:
 
     @cute.jit
     def warp_min_max(self, low, high):
-        if cutlass.const_expr(self.row_range_by_redux):
-            return warp_reduce_f32_by_redux(low, "min"), warp_reduce_f32_by_redux(high, "max")
-        for offset in cutlass.range_constexpr(5):
-            low = fmin(low, cute.arch.shuffle_sync_bfly(low, offset=1 << offset))
-            high = cute.arch.fmax(high, cute.arch.shuffle_sync_bfly(high, offset=1 << offset))
-        return low, high
+        return warp_reduce_f32_by_redux(low, "min"), warp_reduce_f32_by_redux(high, "max")
 
     @staticmethod
     def compare_exchange(keys, i: int, j: int):
@@ -380,13 +333,10 @@ class TopkSelectKernel:
                     self.compare_exchange(best, i, j)
         if cutlass.const_expr(longest):
             self.insert_rest(mScores, best, row, lane + 32 * slots, history, scale, bias, 4)
-        if cutlass.const_expr(self.heads_in_registers):
-            page_of_lane, position = self.take_top(sLists, lane, warp, best[0], best)
-        else:
-            for slot in cutlass.range_constexpr(4):
-                sLists[lane, slot, warp] = best[slot]
-            sLists[lane, 4, warp] = _INT32_MIN  # an exhausted lane's head: it cannot win again
-            page_of_lane, position = self.take_top(sLists, lane, warp, best[0])
+        for slot in cutlass.range_constexpr(4):
+            sLists[lane, slot, warp] = best[slot]
+        sLists[lane, 4, warp] = _INT32_MIN  # an exhausted lane's head: it cannot win again
+        page_of_lane, position = self.take_top(sLists, lane, warp, best[0])
         # a lane that won 4 of the first 14 rounds may hold a 5th key that belongs to the top 15
         exhaustive = warp_max_s32(position) >= 4
         if not exhaustive:
@@ -401,17 +351,11 @@ class TopkSelectKernel:
         beyond the slots are read here and again in the second pass; a split row combines its warps' ranges through
         ``sRange``)."""
         cached = cute.make_rmem_tensor((slots,), cutlass.Float32)
-        low = cutlass.Float32(float("inf"))
-        high = cutlass.Float32(float("-inf"))
         for i in cutlass.range_constexpr(slots):
             cached[i] = self.read_slot(mScores, row, first_column, history, i, full_slots)
-            if cutlass.const_expr(not self.row_range_by_redux):
-                low = fmin(low, cached[i])
-                high = cute.arch.fmax(high, cached[i])
-        if cutlass.const_expr(self.row_range_by_redux):
-            # min and max are exact, so any order gives the same value: a tree of depth log2(slots), not a chain
-            low = pairwise_tree([cached[i] for i in range(slots)], fmin)
-            high = pairwise_tree([cached[i] for i in range(slots)], cute.arch.fmax)
+        # min and max are exact, so any order gives the same value: a tree of depth log2(slots), not a chain
+        low = pairwise_tree([cached[i] for i in range(slots)], fmin)
+        high = pairwise_tree([cached[i] for i in range(slots)], cute.arch.fmax)
         if cutlass.const_expr(read_rest):
             stride = self.column_stride
             for column in cutlass.range(first_column + stride * slots, history, stride * self.rest_batch, unroll=1):
@@ -437,8 +381,6 @@ class TopkSelectKernel:
     def read_rest(self, mScores, row, column, history):
         """Columns ``column + column_stride * j``, ``j < rest_batch``, loaded together; those past the history load
         column ``history - 1``, a real score of the row, so min and max need no masking (their keys are masked)."""
-        if cutlass.const_expr(self.rest_batch == 1):
-            return [mScores[row, column]]
         return [mScores[row, cutlass.min(column + self.column_stride * j, history - 1)] for j in range(self.rest_batch)]
 
     @cute.jit
@@ -488,9 +430,9 @@ class TopkSelectKernel:
             self.write_row(mOut, row, lane, page_of_lane, history)
 
     @cute.jit
-    def select_split_row(self, mScores, mNumValidPages, mOut, sLists, sRange, row, lane, warp):
+    def select_split_row(self, mScores, mNumValidPages, mOut, mErrors, sLists, sRange, row, lane, warp):
         """``warps_per_row`` warps, one row: warp ``w`` takes columns ``32 w + lane + column_stride * i``."""
-        num_valid = mNumValidPages[row]
+        num_valid = self.checked_row_length(mNumValidPages, mScores, mErrors, row)
         history = num_valid - 1
         if num_valid <= self.topk:
             if warp == 0:
@@ -539,32 +481,21 @@ class TopkSelectKernel:
         self.write_row(mOut, row, lane, page_of_lane, history)
 
     @cute.jit
-    def take_top(self, sLists, lane, warp, head, register_list=None, collect_winners: cutlass.Constexpr = False):
-        """15 rounds: the warp's largest head wins and its lane moves on to its next key (one shared-memory read, or
-        with ``register_list`` — the fast path's 4 keys, ``heads_in_registers`` — the winning lane shifts that list by
-        one with predicated moves, so no round waits on shared memory; after 4 wins its head is INT32_MIN).
-        Returns this lane's page (lane ``r`` holds the ``r``-th winner) and how many of the first 14 rounds it won;
-        ``collect_winners``: the winning keys stay in shared memory (column ``cached_per_lane``, by rank) instead."""
+    def take_top(self, sLists, lane, warp, head, collect_winners: cutlass.Constexpr = False):
+        """15 rounds: the warp's largest head wins and its lane moves on to its next key (one shared-memory read).
+        Every lane stores the round's winning key (one store, column ``cached_per_lane``, by rank). Returns this lane's
+        page (lane ``r`` reads the ``r``-th winner back) and how many of the first 14 rounds it won;
+        ``collect_winners``: the winning keys stay in shared memory for a split row's merge instead (page -1)."""
         position = cutlass.Int32(0)
         page_of_lane = cutlass.Int32(-1)
         for rank in cutlass.range_constexpr(self.topk - 1):
             winner = warp_max_s32(head)
-            if cutlass.const_expr(self.winners_in_shared or collect_winners):
-                # every lane stores the same key (one store) and lane ``rank`` reads its own store back at the end
-                sLists[rank, self.cached_per_lane, warp] = winner
-            else:
-                page_of_lane = (~winner & 0xFFFF) if lane == rank else page_of_lane
+            sLists[rank, self.cached_per_lane, warp] = winner
             if cutlass.const_expr(rank < self.topk - 2):
                 won = head == winner
                 position = position + cutlass.Int32(cutlass.select_(won, 1, 0))
-                if cutlass.const_expr(register_list is not None):
-                    for slot in cutlass.range_constexpr(4):
-                        following = register_list[slot + 1] if cutlass.const_expr(slot < 3) else _INT32_MIN
-                        register_list[slot] = cutlass.Int32(cutlass.select_(won, following, register_list[slot]))
-                    head = register_list[0]
-                else:
-                    head = sLists[lane, position, warp]
-        if cutlass.const_expr(self.winners_in_shared and not collect_winners):
+                head = sLists[lane, position, warp]
+        if cutlass.const_expr(not collect_winners):
             page_of_lane = ~sLists[lane, self.cached_per_lane, warp] & 0xFFFF  # lanes from 15 on read no winner
         return page_of_lane, position
 
@@ -578,9 +509,7 @@ class TopkSelectKernel:
 
     @cute.jit
     def level(self, score, scale, bias):
-        if cutlass.const_expr(self.saturating_u16_levels):
-            return saturate_to_u16_level(fma_rn(score, scale, bias))
-        return truncate_to_u16_level(fma_rn(score, scale, bias))
+        return saturate_to_u16_level(fma_rn(score, scale, bias))
 
     @cute.jit
     def page_bits(self, column):

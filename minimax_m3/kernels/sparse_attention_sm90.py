@@ -27,7 +27,7 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from indexer.kernels.pipelines import make_tma_pipeline
+from indexer.cute_runtime import make_tma_pipeline
 
 __all__ = ["SparseAttentionSm90", "UNION_PAGE_BITS", "UNION_TOKEN_SHIFT"]
 

@@ -1,0 +1,169 @@
+"""What ``plan()`` decides once and ``run()`` never again, the plan state a repeated shape reuses, the torch
+backend's refusal of inconsistent metadata, the compile check's kernels, and the packaged benchmark data (CPU)."""
+
+import pathlib
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+
+from indexer import BatchPrefillIndexerQ8KV8Wrapper, backends
+from cases import make_case
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_run_makes_no_backend_decision(monkeypatch):
+    case = make_case([(300, 9000), (40, 5000)], num_heads=2, seed=1)
+    wrapper = BatchPrefillIndexerQ8KV8Wrapper(2)
+    wrapper.plan(*case.metadata(), **case.plan_kwargs())
+    expected = wrapper.run(case.q, case.k_cache).clone()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("run() must not decide the backend")
+
+    monkeypatch.setattr(backends, "resolve_backend", refuse)
+    monkeypatch.setattr(backends, "kernel_unsupported_reason", refuse)
+    assert torch.equal(wrapper.run(case.q, case.k_cache), expected)
+    wrapper.run_scores(case.q, case.k_cache)
+    # a second plan on the same device reuses the first plan's decision
+    wrapper.plan(*case.metadata(), **case.plan_kwargs())
+    assert wrapper.active_backend == "torch"
+
+
+def test_a_repeated_shape_reuses_its_plan_tensors_and_buffers():
+    lengths = [(300, 9000), (40, 5000)]
+    case = make_case(lengths, num_heads=2, seed=2)
+    wrapper = BatchPrefillIndexerQ8KV8Wrapper(2)
+    wrapper.plan(*case.metadata(), **case.plan_kwargs())
+    first = wrapper.run(case.q, case.k_cache).clone()
+    pointers = [t.data_ptr() for t in (wrapper.task_plan.descriptors, wrapper.scores, wrapper.num_valid_pages)]
+    # the next decode step: a longer context within the same pages, the same device work
+    grown = case.seq_lens + 1
+    kwargs = dict(case.plan_kwargs(), max_seqlen_k=case.max_seqlen_k + 1)
+    wrapper.plan(case.cu_seqlens_q, grown, case.block_table, **kwargs)
+    assert [t.data_ptr() for t in (wrapper.task_plan.descriptors, wrapper.scores, wrapper.num_valid_pages)] == pointers
+    assert wrapper.task_plan.shape.max_seqlen_k == case.max_seqlen_k + 1
+    fresh = BatchPrefillIndexerQ8KV8Wrapper(2)
+    fresh.plan(case.cu_seqlens_q, grown, case.block_table, **kwargs)
+    for name in ("descriptors", "num_tasks", "num_valid_pages", "errors"):
+        assert torch.equal(getattr(wrapper.task_plan, name), getattr(fresh.task_plan, name)), name
+    assert torch.equal(wrapper.run(case.q, case.k_cache), fresh.run(case.q, case.k_cache))
+    wrapper.plan(*case.metadata(), **case.plan_kwargs())
+    assert torch.equal(wrapper.run(case.q, case.k_cache), first)
+
+
+@pytest.mark.parametrize("cu, seq_lens, message", [([0, 1000], [4000], "cu_seqlens_q"),
+                                                   ([0, 300], [40000], "seq_lens")])
+def test_the_torch_backend_raises_on_inconsistent_metadata_before_writing(cu, seq_lens, message):
+    """The planner clamps and flags (tests/test_planner.py); the torch backend reads the lengths anyway, so it raises
+    before any score is written."""
+    cu = torch.tensor(cu, dtype=torch.int32)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    block_table = torch.randperm(400)[None, :].to(torch.int32).contiguous()
+    q = torch.randn(300, 1, 128).to(torch.float8_e4m3fn)
+    k = torch.randn(400, 128, 128).to(torch.float8_e4m3fn)
+    scores = torch.full((300, 32), float("nan"))
+    wrapper = BatchPrefillIndexerQ8KV8Wrapper(1)
+    wrapper.plan(cu, seq_lens, block_table, total_q=300, max_seqlen_q=300, max_seqlen_k=4096, score_out=scores)
+    with pytest.raises(ValueError, match=message):
+        wrapper.run(q, k)
+    assert scores.isnan().all()
+    with pytest.raises(ValueError, match=message):
+        wrapper.check_errors()
+
+
+@pytest.mark.parametrize("bad_page", [-1, 400, 1 << 30])
+def test_the_torch_backend_raises_on_a_page_id_outside_the_cache_before_writing(bad_page):
+    case = make_case([(300, 9000), (40, 5000)], num_heads=1, seed=4)
+    case.block_table[1, 2] = bad_page
+    scores = torch.full((case.total_q, case.block_table.shape[1]), float("nan"))
+    wrapper = BatchPrefillIndexerQ8KV8Wrapper(1)
+    wrapper.plan(*case.metadata(), **case.plan_kwargs(), score_out=scores)
+    with pytest.raises(ValueError, match=r"block_table\[1, 2\]"):
+        wrapper.run_scores(case.q, case.k_cache[:399])
+    assert scores.isnan().all()
+
+
+def test_check_errors_passes_on_good_metadata_and_needs_a_plan():
+    from indexer.wrapper import PlanRequiredError
+
+    case = make_case([(30, 900)], num_heads=1, seed=5)
+    wrapper = BatchPrefillIndexerQ8KV8Wrapper(1)
+    with pytest.raises(PlanRequiredError):
+        wrapper.check_errors()
+    wrapper.plan(*case.metadata(), **case.plan_kwargs())
+    wrapper.check_errors()
+
+
+def test_the_compile_check_compiles_exactly_the_runtimes_kernels(monkeypatch):
+    pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
+    from indexer import compile_check, cute_backend, cute_runtime
+
+    def signature(kernel, arguments):
+        return type(kernel).__name__, sorted(vars(kernel).items(), key=lambda item: item[0]).__repr__(), \
+            [type(argument).__name__ for argument in arguments]
+
+    checked = [signature(kernel, arguments) for _, kernel, arguments, _ in compile_check.variants()]
+    compiled = []
+    monkeypatch.setattr(cute_backend, "compile_once", lambda key, build: build())
+    monkeypatch.setattr(cute_backend, "compile_tvm_ffi", lambda kernel, arguments: compiled.append(
+        signature(kernel, arguments)))
+    for key in cute_backend.kernel_keys():
+        cute_backend.compiled_kernel(key)
+    assert compiled == checked
+    # every choice the host makes maps onto one of them
+    keys = set(cute_backend.kernel_keys())
+    for exact in (False, True):
+        for scores in (torch.empty(8, 12), torch.empty(8, 13)):
+            assert cute_backend.score_kernel_key(4, exact, scores, 132) in keys
+    assert {cute_backend.topk_kernel_key(rows, columns) for rows in (1, 2048, 4096) for columns in (16, 600)} <= keys
+    assert cute_runtime.TVM_FFI_OPTIONS in cute_runtime.compile_options("--gpu-arch sm_90a")
+
+
+def test_the_wheel_carries_the_benchmark_suite(tmp_path):
+    """``python -m indexer.bench`` reads its cases from the installed package, not the source tree."""
+    try:
+        import setuptools  # noqa: F401
+        isolation = ["--no-build-isolation"]
+    except ImportError:
+        isolation = []
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", "-w", str(tmp_path), str(ROOT)],
+                   check=True, capture_output=True, timeout=600)
+    (wheel,) = tmp_path.glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        assert "indexer/bench_data/prefill_benchmark_cases_v1.json" in archive.namelist()
+        archive.extractall(tmp_path / "site")
+    reader = "from indexer.bench import load_cases; print(len(load_cases(False)), len(load_cases(True)))"
+    result = subprocess.run([sys.executable, "-c", reader], cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "site")},
+                            check=True, capture_output=True, text=True, timeout=300)
+    assert result.stdout.split() == ["128", "16"]
+
+
+def test_the_kernel_runner_hands_inputs_it_cannot_take_to_the_torch_backend_under_auto(monkeypatch):
+    """backend="auto" with bf16/fp32 index inputs (the model's precision ablations): the runner the plan built for
+    the kernel scores them with the torch backend (logged once), as before; backend="cute" raises naming the reason.
+    The kernel runner is built here without a GPU: only its input dispatch runs."""
+    from indexer import wrapper as wrapper_module
+    from indexer.backends import BackendChoice
+
+    case = make_case([(40, 900), (3, 300)], num_heads=2, seed=6, dtype=torch.bfloat16)
+    for backend in ("auto", "cute"):
+        wrapper = BatchPrefillIndexerQ8KV8Wrapper(2)
+        wrapper.plan(*case.metadata(), **case.plan_kwargs())
+        wrapper.backend = backend  # as if the plan had chosen the kernel for this backend setting
+        torch_runner = wrapper._runner
+        runner = object.__new__(wrapper_module._KernelRunner)
+        runner.__dict__.update(torch_runner.__dict__, operand_dtype=torch.float8_e4m3fn, torch_runners={},
+                               choice=BackendChoice("cute", "test"))
+        if backend == "cute":
+            with pytest.raises(ValueError, match="backend='cute' cannot score these inputs"):
+                runner.score(case.q, case.k_cache)
+            continue
+        scores = runner.score(case.q, case.k_cache)
+        reference = torch_runner.score(case.q, case.k_cache.clone())
+        assert scores is torch_runner.scores and torch.equal(scores.nan_to_num(), reference.nan_to_num())
+        (fallback,) = runner.torch_runners.values()
+        assert fallback.choice.name == "torch" and "CUDA" in fallback.choice.reason
