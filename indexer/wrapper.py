@@ -108,6 +108,7 @@ class _PlanState:
         self.capture_failed = False
         self.builds = 0
         self.kernels: dict = {}  # kernel key -> compiled function, so a repeated plan looks nothing else up
+        self.runner = None  # the last plan's runner, reused while a plan passes the same tensors
 
     def scores_buffer(self) -> torch.Tensor:
         if self.own_scores is None:
@@ -282,11 +283,17 @@ class BatchPrefillIndexerQ8KV8Wrapper:
         state = self._state(shape, device)
         state.build(cu_seqlens_q, seq_lens, bounds)
         scores = score_out if score_out is not None else state.scores_buffer()
-        metadata = (cu_seqlens_q, seq_lens, block_table)
-        if kernel:
-            self._runner = _KernelRunner(self, state, metadata, scores, choice, validate, exact)
+        runner = state.runner
+        if runner is not None and runner.serves(cu_seqlens_q, seq_lens, block_table, scores, validate, choice):
+            runner.refresh()  # the same tensors, perhaps new values: only host copies of them are stale
         else:
-            self._runner = _TorchRunner(self, state, metadata, scores, choice, validate)
+            metadata = (cu_seqlens_q, seq_lens, block_table)
+            if kernel:
+                runner = _KernelRunner(self, state, metadata, scores, choice, validate, exact)
+            else:
+                runner = _TorchRunner(self, state, metadata, scores, choice, validate)
+            state.runner = runner
+        self._runner = runner
 
     def replan(self) -> None:
         """Rebuild the plan in place from the (updated) metadata tensors given to ``plan()``; CUDA graphs may capture
@@ -295,7 +302,7 @@ class BatchPrefillIndexerQ8KV8Wrapper:
         cu_seqlens_q, seq_lens, _ = runner.metadata
         shape = runner.state.shape
         runner.state.build(cu_seqlens_q, seq_lens, length_bounds(shape.max_seqlen_q, shape.max_seqlen_k))
-        runner.host_metadata = None
+        runner.refresh()
         if runner.validate:
             _raise_on_plan_errors(runner.state.plan)
 
@@ -415,6 +422,18 @@ class _Runner:
         shape = state.shape
         self.q_shape = (shape.total_q, wrapper.num_heads)
         self.out_shape = (shape.total_q, wrapper.num_heads, wrapper.topk)
+
+    def serves(self, cu_seqlens_q, seq_lens, block_table, scores, validate, choice) -> bool:
+        """Whether a plan with these arguments would build this runner again (the same tensor objects)."""
+        metadata = self.metadata
+        return (metadata[0] is cu_seqlens_q and metadata[1] is seq_lens and metadata[2] is block_table
+                and self.scores is scores and self.validate == validate and self.choice is choice)
+
+    def refresh(self) -> None:
+        """Forget host copies of the metadata's values (a new plan may follow in-place updates)."""
+        self.host_metadata = None
+        for runner in getattr(self, "torch_runners", {}).values():
+            runner.refresh()
 
     def check_out(self, out) -> None:
         if not (type(out) is torch.Tensor and out.dtype is torch.int32 and out.device == self.device

@@ -167,3 +167,23 @@ def test_the_kernel_runner_hands_inputs_it_cannot_take_to_the_torch_backend_unde
         assert scores is torch_runner.scores and torch.equal(scores.nan_to_num(), reference.nan_to_num())
         (fallback,) = runner.torch_runners.values()
         assert fallback.choice.name == "torch" and "CUDA" in fallback.choice.reason
+
+
+def test_a_plan_with_the_same_tensors_reuses_its_runner_and_sees_in_place_updates():
+    case = make_case([(300, 9000), (40, 5000)], num_heads=2, seed=7)
+    wrapper = BatchPrefillIndexerQ8KV8Wrapper(2)
+    wrapper.plan(*case.metadata(), **case.plan_kwargs())
+    first_runner = wrapper._runner
+    wrapper.run(case.q, case.k_cache)
+    # the same tensor objects with new values (a server updating its metadata buffers in place)
+    case.seq_lens.copy_(torch.tensor([8000, 4500], dtype=torch.int32))
+    wrapper.plan(*case.metadata(), **case.plan_kwargs())
+    assert wrapper._runner is first_runner
+    fresh = BatchPrefillIndexerQ8KV8Wrapper(2)
+    fresh.plan(case.cu_seqlens_q.clone(), case.seq_lens.clone(), case.block_table, **case.plan_kwargs())
+    assert torch.equal(wrapper.run(case.q, case.k_cache), fresh.run(case.q, case.k_cache))
+    # other tensors, or validation, build another runner
+    wrapper.plan(case.cu_seqlens_q.clone(), case.seq_lens, case.block_table, **case.plan_kwargs())
+    assert wrapper._runner is not first_runner
+    wrapper.plan(*case.metadata(), **case.plan_kwargs(), validate=True)
+    assert wrapper._runner.validate
