@@ -85,6 +85,10 @@ _CACHED_PLAN_SHAPES = 16
 """Plan shapes a wrapper keeps (tensors, buffers and the replay graph each); the least recently planned goes first."""
 _CAPTURE_AFTER_BUILDS = 2
 """A plan shape's device work is captured into a CUDA graph on its second build: shapes seen once cost no capture."""
+_OWNED_SCORE_BYTES_FLOOR = 256 << 20
+"""The score buffers the wrapper owns for earlier plan shapes are kept while all of them together take at most
+twice the largest one or this much, whichever is more; older ones are freed (and re-allocated if their shape
+returns), so a wrapper that sees many long prefills does not hold a buffer per shape."""
 
 
 class _PlanState:
@@ -282,7 +286,13 @@ class BatchPrefillIndexerQ8KV8Wrapper:
         # Validated: only now replace the state of a previous plan.
         state = self._state(shape, device)
         state.build(cu_seqlens_q, seq_lens, bounds)
-        scores = score_out if score_out is not None else state.scores_buffer()
+        if score_out is not None:
+            scores = score_out
+        else:
+            allocates = state.own_scores is None
+            scores = state.scores_buffer()
+            if allocates:
+                self._trim_owned_score_buffers(keep=state)
         runner = state.runner
         if runner is not None and runner.serves(cu_seqlens_q, seq_lens, block_table, scores, validate, choice):
             runner.refresh()  # the same tensors, perhaps new values: only host copies of them are stale
@@ -388,6 +398,21 @@ class BatchPrefillIndexerQ8KV8Wrapper:
             num_sms = _num_sms(device)
             decision = self._choices[device] = (choice, num_sms)
         return decision
+
+    def _trim_owned_score_buffers(self, keep: _PlanState) -> None:
+        owned = [state for state in self._states.values() if state.own_scores is not None]
+        sizes = {id(state): state.own_scores.untyped_storage().nbytes() for state in owned}  # on a new buffer only
+        budget = max(_OWNED_SCORE_BYTES_FLOOR, 2 * max(sizes.values(), default=0))
+        total = sum(sizes.values())
+        for state in owned:  # least recently planned first
+            if total <= budget:
+                break
+            if state is keep:
+                continue
+            total -= sizes[id(state)]
+            if state.runner is not None and state.runner.scores is state.own_scores:
+                state.runner = None  # it would keep the buffer alive
+            state.own_scores = None
 
     def _state(self, shape: PlanShape, device: torch.device) -> _PlanState:
         key = (device, shape.graph_key)

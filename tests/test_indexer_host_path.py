@@ -187,3 +187,22 @@ def test_a_plan_with_the_same_tensors_reuses_its_runner_and_sees_in_place_update
     assert wrapper._runner is not first_runner
     wrapper.plan(*case.metadata(), **case.plan_kwargs(), validate=True)
     assert wrapper._runner.validate
+
+
+def test_owned_score_buffers_of_earlier_shapes_are_freed_beyond_the_budget(monkeypatch):
+    from indexer import wrapper as wrapper_module
+
+    monkeypatch.setattr(wrapper_module, "_OWNED_SCORE_BYTES_FLOOR", 0)
+    wrapper = BatchPrefillIndexerQ8KV8Wrapper(1)
+    cases = [make_case([(q, 4000)], num_heads=1, seed=q) for q in (100, 200, 300, 400)]
+    for case in cases:
+        wrapper.plan(*case.metadata(), **case.plan_kwargs())
+        wrapper.run(case.q, case.k_cache)
+    owned = [state for state in wrapper._states.values() if state.own_scores is not None]
+    sizes = [state.own_scores.untyped_storage().nbytes() for state in owned]
+    assert sum(sizes) <= 2 * max(sizes) and owned[-1].shape.total_q == 400
+    # a freed shape gets its buffer back, with the same results
+    wrapper.plan(*cases[0].metadata(), **cases[0].plan_kwargs())
+    fresh = BatchPrefillIndexerQ8KV8Wrapper(1)
+    fresh.plan(*cases[0].metadata(), **cases[0].plan_kwargs())
+    assert torch.equal(wrapper.run(cases[0].q, cases[0].k_cache), fresh.run(cases[0].q, cases[0].k_cache))
