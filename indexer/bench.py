@@ -200,7 +200,7 @@ def host_microseconds(fn, calls: int = HOST_CALLS) -> float:
     torch.cuda.synchronize()
     times = []
     for block in range(calls // 20):
-        torch.cuda._sleep(50_000_000)  # ~25 ms of GPU work ahead of the 20 calls
+        torch.cuda._sleep(10_000_000)  # ~5 ms of GPU work ahead of the 20 calls
         for _ in range(20):
             start = time.perf_counter()
             fn()
