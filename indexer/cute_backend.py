@@ -42,9 +42,6 @@ cuts by four. The selection is the same bit for bit. Measured on the H200 (docs/
 pages 8.3 -> 5.3 µs, 1,649 rows over 1,059 pages 12.4 -> 10.8 µs; at 6,504 rows (H = 4) the split was slower (16.1 ->
 19.9 µs: one warp per row already fills the SMs)."""
 
-_TOPK_CACHED_COLUMNS = 32 * 16  # a warp's lanes x the exhaustive path's cached columns per lane
-
-
 @dataclass(frozen=True)
 class ScoreKernelKey:
     num_heads: int
@@ -103,5 +100,8 @@ def score_kernel_key(num_heads: int, exact: bool, scores: torch.Tensor, num_ctas
 
 
 def topk_kernel_key(rows: int, columns: int) -> TopkKernelKey:
-    split = 0 < rows <= TOPK_ROW_SPLIT_MAX_ROWS and columns > _TOPK_CACHED_COLUMNS
+    from .kernels.topk_select import TopkSelectKernel
+
+    # more columns than a warp's lanes keep in registers on the exhaustive path
+    split = 0 < rows <= TOPK_ROW_SPLIT_MAX_ROWS and columns > 32 * TopkSelectKernel.cached_per_lane
     return TopkKernelKey(4 if split else 1)

@@ -529,13 +529,15 @@ class _TorchRunner(_Runner):
 
     def score(self, q: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor:
         k_pages = self.check_inputs(q, k_cache)
-        if self.validate:
-            self.check_input_values(q, k_pages)
+        if self.host_metadata is None:  # once per plan: the lengths the plan was built from
+            _raise_on_plan_errors(self.state.plan)
         host = self.host()
-        _raise_on_plan_errors(self.state.plan)
         block_table = self.metadata[2]
-        _raise_on_bad_page_ids(block_table, host.seq_lens, k_pages.shape[0], self.state.shape.max_pages,
-                               self.wrapper.page_size)
+        if self.validate:
+            self.check_input_values(q, k_pages)  # the page ids included
+        else:
+            _raise_on_bad_page_ids(block_table, host.seq_lens, k_pages.shape[0], self.state.shape.max_pages,
+                                   self.wrapper.page_size)
         compute_page_scores(q, k_pages, block_table, host, self.scores, page_size=self.wrapper.page_size)
         return self.scores
 
