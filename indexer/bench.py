@@ -1,7 +1,7 @@
 """Benchmark of the prefill indexer on MiniMax's 128-case production suite: ``python -m indexer.bench``.
 
-Per case and H: inputs as the MSA harness draws them (q = randn·0.25·(h+1), K = randn·0.25, e4m3, a
-scattered page table), one wrapper and plan per rotation slot (enough slots that the inputs exceed 2x L2).
+Per case and H: inputs as the MSA harness draws them (q = randn·0.25·(h+1), K = randn·0.25, e4m3, a scattered
+page table; drawn on the GPU), one wrapper and plan per rotation slot (enough slots that the inputs exceed 2x L2).
 
 * graph replay: one CUDA graph per slot, 5 warm-up rounds and 20 timed replays of every slot with CUDA events; the
   median per call;
@@ -82,18 +82,21 @@ def useful_flops(lengths, num_heads) -> int:
 
 
 def make_inputs(lengths, num_heads, device, generator):
+    """q, K cache, cu_seqlens_q, seq_lens and a scattered block table on ``device``, drawn on the generator's device
+    (a CUDA generator keeps a whole-suite run from waiting on host-side draws)."""
+    draw = generator.device
     pages = [-(-kv // PAGE_SIZE) for _, kv in lengths]
     num_pages = sum(pages) + 1
-    order = torch.randperm(num_pages, generator=generator).to(torch.int32)
-    block_table = torch.zeros(len(lengths), max(pages), dtype=torch.int32)
+    order = torch.randperm(num_pages, generator=generator, device=draw).to(torch.int32)
+    block_table = torch.zeros(len(lengths), max(pages), dtype=torch.int32, device=draw)
     cursor = 0
     for b, count in enumerate(pages):
         block_table[b, :count] = order[cursor : cursor + count]
         cursor += count
     total_q = sum(q for q, _ in lengths)
-    head_scale = torch.arange(1, num_heads + 1, dtype=torch.float32).view(1, num_heads, 1)
-    q = (torch.randn(total_q, num_heads, HEAD_DIM, generator=generator) * 0.25 * head_scale).to(FP8_DTYPE)
-    k = (torch.randn(num_pages, PAGE_SIZE, HEAD_DIM, generator=generator) * 0.25).to(FP8_DTYPE)
+    head_scale = torch.arange(1, num_heads + 1, dtype=torch.float32, device=draw).view(1, num_heads, 1)
+    q = (torch.randn(total_q, num_heads, HEAD_DIM, generator=generator, device=draw) * 0.25 * head_scale).to(FP8_DTYPE)
+    k = (torch.randn(num_pages, PAGE_SIZE, HEAD_DIM, generator=generator, device=draw) * 0.25).to(FP8_DTYPE)
     cu = torch.tensor([0] + torch.tensor([q for q, _ in lengths]).cumsum(0).tolist(), dtype=torch.int32)
     seq_lens = torch.tensor([kv for _, kv in lengths], dtype=torch.int32)
     return [t.to(device) for t in (q, k, cu, seq_lens, block_table)]
@@ -240,7 +243,7 @@ def bench_case(case, num_heads, device, seed, baseline: bool, flush: L2Flush, pr
     lengths = sequence_lengths(case)
     unique_bytes = sum((kv - 1) // PAGE_SIZE * PAGE_SIZE * HEAD_DIM for _, kv in lengths) + case["total_q"] * 17 * 4
     slots = min(8, 2 * L2_BYTES // max(1, unique_bytes) + 2)
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(seed)
     bounds = dict(total_q=case["total_q"], max_seqlen_q=max(q for q, _ in lengths), max_seqlen_k=max(kv for _, kv in lengths))
     request_lengths = lengths if host_lengths else None
     runs, scores_only, topk_only, base_runs, plans = [], [], [], [], []

@@ -9,9 +9,10 @@ thread its own).
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections import OrderedDict
-from typing import Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -91,6 +92,25 @@ twice the largest one or this much, whichever is more; older ones are freed (and
 returns), so a wrapper that sees many long prefills does not hold a buffer per shape."""
 
 
+class _Settings(NamedTuple):
+    """The wrapper's configuration, as its runners read it."""
+
+    num_heads: int
+    backend: str
+    precision: str
+    page_size: int
+    topk: int
+
+
+class _PlanParts(NamedTuple):
+    """What a runner uses of its plan state: the plan (its ``shape`` kept current by repeated plans), the top-k
+    buffer and the compiled kernels."""
+
+    plan: TaskPlan
+    topk_out: torch.Tensor
+    kernels: dict
+
+
 class _PlanState:
     """Everything one plan shape owns on one device: the plan tensors, the score and top-k buffers when the wrapper
     owns them, the metadata copies a graph reads, and the graph once the shape repeats."""
@@ -112,6 +132,7 @@ class _PlanState:
         self.capture_failed = False
         self.builds = 0
         self.kernels: dict = {}  # kernel key -> compiled function, so a repeated plan looks nothing else up
+        self.parts = _PlanParts(self.plan, self.topk_out, self.kernels)
         self.runner = None  # the last plan's runner, reused while a plan passes the same tensors
 
     def scores_buffer(self) -> torch.Tensor:
@@ -144,12 +165,15 @@ class _PlanState:
             build_task_plan(self.cu_seqlens_q, self.seq_lens, self.shape, out=self.plan, bounds=self.bounds)
 
     def _capture(self) -> torch.cuda.CUDAGraph:
-        # a side stream, as capture requires; no device synchronisation and no garbage collection (unlike the
-        # torch.cuda.graph context manager): nothing runs during capture, the replay that follows computes the plan
+        # a side stream, as capture requires; no device synchronisation: nothing runs during capture, the replay
+        # that follows computes the plan. The garbage collector stays off meanwhile: freeing other cyclic garbage
+        # that holds a CUDA graph (a caller's) would end this capture
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             with torch.cuda.stream(side):
                 graph.capture_begin(capture_error_mode="thread_local")
@@ -163,6 +187,8 @@ class _PlanState:
                            "with eager torch ops", self.shape, str(error).splitlines()[0])
             return None
         finally:
+            if collecting:
+                gc.enable()
             current.wait_stream(side)
         return graph
 
@@ -212,7 +238,9 @@ class BatchPrefillIndexerQ8KV8Wrapper:
         self.precision = precision
         self.page_size = page_size
         self.topk = topk
+        self._settings = _Settings(num_heads, backend, precision, page_size, topk)
         self._runner = None
+        self._plan_state: Optional[_PlanState] = None  # the state of the latest plan (the runner's)
         self._states: "OrderedDict[tuple, _PlanState]" = OrderedDict()
         self._errors: dict = {}
         self._choices: dict = {}
@@ -299,22 +327,24 @@ class BatchPrefillIndexerQ8KV8Wrapper:
         else:
             metadata = (cu_seqlens_q, seq_lens, block_table)
             if kernel:
-                runner = _KernelRunner(self, state, metadata, scores, choice, validate, exact)
+                runner = _KernelRunner(self._settings, state.parts, metadata, scores, choice, validate, exact)
             else:
-                runner = _TorchRunner(self, state, metadata, scores, choice, validate)
+                runner = _TorchRunner(self._settings, state.parts, metadata, scores, choice, validate)
             state.runner = runner
         self._runner = runner
+        self._plan_state = state
 
     def replan(self) -> None:
         """Rebuild the plan in place from the (updated) metadata tensors given to ``plan()``; CUDA graphs may capture
         it."""
         runner = self._require_runner("replan")
+        state = self._plan_state
         cu_seqlens_q, seq_lens, _ = runner.metadata
-        shape = runner.state.shape
-        runner.state.build(cu_seqlens_q, seq_lens, length_bounds(shape.max_seqlen_q, shape.max_seqlen_k))
+        shape = state.shape
+        state.build(cu_seqlens_q, seq_lens, length_bounds(shape.max_seqlen_q, shape.max_seqlen_k))
         runner.refresh()
         if runner.validate:
-            _raise_on_plan_errors(runner.state.plan)
+            _raise_on_plan_errors(state.plan)
 
     # ------------------------------------------------------------------ run
     def run_scores(self, q: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor:
@@ -332,7 +362,7 @@ class BatchPrefillIndexerQ8KV8Wrapper:
         if out is not None:
             runner.check_out(out)
         else:
-            out = runner.state.topk_out
+            out = runner.parts.topk_out
         scores = runner.score(q, k_cache)
         runner.select(scores, out)
         return out
@@ -342,7 +372,7 @@ class BatchPrefillIndexerQ8KV8Wrapper:
         metadata that contradicted the bounds in the latest plan, or a page id / row length the kernels clamped in
         any run since. The kernels' records are cleared by the check; the plan's stays until the next plan."""
         runner = self._require_runner("check_errors")
-        errors = runner.state.plan.errors
+        errors = runner.parts.plan.errors
         words = errors.tolist()
         if not any(words):
             return
@@ -362,7 +392,7 @@ class BatchPrefillIndexerQ8KV8Wrapper:
     @property
     def num_valid_pages(self) -> torch.Tensor:
         """``[total_q * H]`` int32: ``L + 1`` per row, filled by ``plan()``/``replan()``."""
-        return self._require_runner("num_valid_pages").state.plan.num_valid_pages
+        return self._require_runner("num_valid_pages").parts.plan.num_valid_pages
 
     @property
     def scores(self) -> torch.Tensor:
@@ -372,7 +402,7 @@ class BatchPrefillIndexerQ8KV8Wrapper:
     @property
     def task_plan(self) -> TaskPlan:
         """The kernel's task plan (descriptor format in docs/INDEXER.md)."""
-        return self._require_runner("task_plan").state.plan
+        return self._require_runner("task_plan").parts.plan
 
     @property
     def active_backend(self) -> str:
@@ -435,18 +465,22 @@ class BatchPrefillIndexerQ8KV8Wrapper:
 class _Runner:
     """What ``plan()`` decided for its runs: the buffers, the checks of ``q``/``k_cache`` and the launches."""
 
-    def __init__(self, wrapper, state: _PlanState, metadata: tuple, scores: torch.Tensor, choice, validate: bool):
-        self.wrapper = wrapper
-        self.state = state
+    def __init__(self, settings: "_Settings", parts: "_PlanParts", metadata: tuple, scores: torch.Tensor, choice,
+                 validate: bool):
+        # no reference back to the wrapper or its plan state: a dropped wrapper is freed at once, by reference
+        # counting, and its CUDA graphs with it (the cyclic garbage collector could free them during a capture,
+        # which that capture does not survive)
+        self.settings = settings
+        self.parts = parts
         self.metadata = metadata
         self.scores = scores
         self.choice = choice
         self.validate = validate
         self.host_metadata: Optional[HostMetadata] = None
         self.device = scores.device
-        shape = state.shape
-        self.q_shape = (shape.total_q, wrapper.num_heads)
-        self.out_shape = (shape.total_q, wrapper.num_heads, wrapper.topk)
+        shape = parts.plan.shape
+        self.q_shape = (shape.total_q, settings.num_heads)
+        self.out_shape = (shape.total_q, settings.num_heads, settings.topk)
 
     def serves(self, cu_seqlens_q, seq_lens, block_table, scores, validate, choice) -> bool:
         """Whether a plan with these arguments would build this runner again (the same tensor objects)."""
@@ -476,11 +510,11 @@ class _Runner:
 
     def check_inputs(self, q: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor:
         """Validate ``q``/``k_cache`` against the plan; return K as ``[num_pages, page_size, D]``."""
-        wrapper = self.wrapper
+        settings = self.settings
         check_tensor("q", q, dtypes=SCORE_DTYPES, ndim=3, device=self.device)
         if tuple(q.shape[:2]) != self.q_shape:
             raise ValueError(
-                f"q must have shape [total_q={self.q_shape[0]}, num_heads={wrapper.num_heads}, head_dim], got {tuple(q.shape)}"
+                f"q must have shape [total_q={self.q_shape[0]}, num_heads={settings.num_heads}, head_dim], got {tuple(q.shape)}"
             )
         if not q.is_contiguous():
             raise ValueError(f"q must be contiguous, got strides {q.stride()}")
@@ -495,15 +529,15 @@ class _Runner:
             k_pages = k_cache
         else:
             raise ValueError(f"k_cache must be [num_pages, page_size, head_dim] or [num_pages, 1, page_size, head_dim], got {tuple(k_cache.shape)}")
-        if tuple(k_pages.shape[1:]) != (wrapper.page_size, head_dim):
+        if tuple(k_pages.shape[1:]) != (settings.page_size, head_dim):
             raise ValueError(
-                f"k_cache pages must be [page_size={wrapper.page_size}, head_dim={head_dim}] (head_dim from q), "
+                f"k_cache pages must be [page_size={settings.page_size}, head_dim={head_dim}] (head_dim from q), "
                 f"got {tuple(k_pages.shape[1:])}"
             )
         if k_pages.stride(2) != 1 or k_pages.stride(1) != head_dim:
             raise ValueError(f"each k_cache page must be contiguous, got strides {k_cache.stride()}")
         page_bytes = k_pages.stride(0) * k_pages.element_size()
-        if k_pages.shape[0] > 1 and (k_pages.stride(0) < wrapper.page_size * head_dim or page_bytes % _TMA_ALIGNMENT):
+        if k_pages.shape[0] > 1 and (k_pages.stride(0) < settings.page_size * head_dim or page_bytes % _TMA_ALIGNMENT):
             raise ValueError(
                 f"k_cache page stride must be >= page_size * head_dim elements and a multiple of {_TMA_ALIGNMENT} bytes, "
                 f"got {k_pages.stride(0)} elements"
@@ -515,8 +549,8 @@ class _Runner:
 
     def check_input_values(self, q: torch.Tensor, k_pages: torch.Tensor) -> None:
         """Debug checks that read device memory (``plan(validate=True)``)."""
-        _raise_on_bad_page_ids(self.metadata[2], self.host().seq_lens, k_pages.shape[0], self.state.shape.max_pages,
-                               self.wrapper.page_size)
+        _raise_on_bad_page_ids(self.metadata[2], self.host().seq_lens, k_pages.shape[0], self.parts.plan.shape.max_pages,
+                               self.settings.page_size)
         for name, tensor in (("q", q), ("k_cache", k_pages)):
             if not bool(torch.isfinite(tensor.float()).all()):
                 raise ValueError(f"{name} must be finite (NaN/inf found)")
@@ -530,59 +564,59 @@ class _TorchRunner(_Runner):
     def score(self, q: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor:
         k_pages = self.check_inputs(q, k_cache)
         if self.host_metadata is None:  # once per plan: the lengths the plan was built from
-            _raise_on_plan_errors(self.state.plan)
+            _raise_on_plan_errors(self.parts.plan)
         host = self.host()
         block_table = self.metadata[2]
         if self.validate:
             self.check_input_values(q, k_pages)  # the page ids included
         else:
-            _raise_on_bad_page_ids(block_table, host.seq_lens, k_pages.shape[0], self.state.shape.max_pages,
-                                   self.wrapper.page_size)
-        compute_page_scores(q, k_pages, block_table, host, self.scores, page_size=self.wrapper.page_size)
+            _raise_on_bad_page_ids(block_table, host.seq_lens, k_pages.shape[0], self.parts.plan.shape.max_pages,
+                                   self.settings.page_size)
+        compute_page_scores(q, k_pages, block_table, host, self.scores, page_size=self.settings.page_size)
         return self.scores
 
     def select(self, scores: torch.Tensor, out: torch.Tensor) -> None:
-        topk_select(scores, self.state.plan.num_valid_pages, topk=self.wrapper.topk, out=out.view(-1, self.wrapper.topk),
+        topk_select(scores, self.parts.plan.num_valid_pages, topk=self.settings.topk, out=out.view(-1, self.settings.topk),
                     validate=self.validate, backend="torch")
 
 
 class _KernelRunner(_Runner):
     """The SM90 kernels, compiled (or found compiled) at ``plan()``; a run checks ``q``/``k_cache`` and launches."""
 
-    def __init__(self, wrapper, state, metadata, scores, choice, validate, exact):
-        super().__init__(wrapper, state, metadata, scores, choice, validate)
-        shape = state.shape
+    def __init__(self, settings, parts, metadata, scores, choice, validate, exact):
+        super().__init__(settings, parts, metadata, scores, choice, validate)
+        shape = parts.plan.shape
         self.exact = exact
-        self.score_key = cute_backend.score_kernel_key(wrapper.num_heads, exact, scores, shape.num_sms)
+        self.score_key = cute_backend.score_kernel_key(settings.num_heads, exact, scores, shape.num_sms)
         self.topk_key = cute_backend.topk_kernel_key(scores.shape[0], scores.shape[1])
         self.keys = (self.score_key, self.topk_key)
         self.torch_runners: dict = {}
-        self.score_kernel = self._kernel(state, self.score_key)
-        self.topk_kernel = self._kernel(state, self.topk_key)
-        plan = state.plan
+        self.score_kernel = self._kernel(parts.kernels, self.score_key)
+        self.topk_kernel = self._kernel(parts.kernels, self.topk_key)
+        plan = parts.plan
         self.block_table = metadata[2]
         self.operand_dtype = FP8_DTYPE
-        self.q_full_shape = (shape.total_q, wrapper.num_heads, HEAD_DIM)
+        self.q_full_shape = (shape.total_q, settings.num_heads, HEAD_DIM)
         self.device_index = self.device.index
-        self.page_size = wrapper.page_size
-        self.page_elements = wrapper.page_size * HEAD_DIM  # one byte each: the TMA alignment is in elements too
+        self.page_size = settings.page_size
+        self.page_elements = settings.page_size * HEAD_DIM  # one byte each: the TMA alignment is in elements too
         self.launch_arguments = (scores, self.block_table, plan.descriptors, plan.num_tasks, plan.errors)
         self.topk_arguments = (plan.num_valid_pages, plan.errors)
-        self.topk_rows = (-1, wrapper.topk)
-        self.own_rows = state.topk_out.view(self.topk_rows)
+        self.topk_rows = (-1, settings.topk)
+        self.own_rows = parts.topk_out.view(self.topk_rows)
 
     def _torch_runner(self, choice) -> "_TorchRunner":
         runner = self.torch_runners.get(choice)
         if runner is None:
-            runner = self.torch_runners[choice] = _TorchRunner(self.wrapper, self.state, self.metadata, self.scores,
+            runner = self.torch_runners[choice] = _TorchRunner(self.settings, self.parts, self.metadata, self.scores,
                                                                choice, self.validate)
         return runner
 
-    def _kernel(self, state: _PlanState, key):
-        kernel = state.kernels.get(key)
+    def _kernel(self, kernels: dict, key):
+        kernel = kernels.get(key)
         if kernel is None:
             with torch.cuda.device(self.device):  # compiled functions are loaded per device
-                kernel = state.kernels[key] = cute_backend.compiled_kernel(key)
+                kernel = kernels[key] = cute_backend.compiled_kernel(key)
         return kernel
 
     def _k_pages(self, q: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor:
@@ -600,9 +634,9 @@ class _KernelRunner(_Runner):
                 return k_cache
         k_pages = self.check_inputs(q, k_cache)
         if q.dtype is not self.operand_dtype or q.shape[2] != HEAD_DIM:
-            config = dict(device=q.device, num_heads=self.wrapper.num_heads, page_size=self.wrapper.page_size,
-                          topk=self.wrapper.topk, precision=self.wrapper.precision, dtype=q.dtype, head_dim=q.shape[2])
-            if self.wrapper.backend == "cute":
+            config = dict(device=q.device, num_heads=self.settings.num_heads, page_size=self.settings.page_size,
+                          topk=self.settings.topk, precision=self.settings.precision, dtype=q.dtype, head_dim=q.shape[2])
+            if self.settings.backend == "cute":
                 raise ValueError(f"backend='cute' cannot score these inputs: {backends.kernel_unsupported_reason(**config)}")
             # backend="auto": the torch backend serves inputs the kernel cannot take (bf16/fp32 index ablations);
             # resolve_backend logs that once per configuration
@@ -631,9 +665,9 @@ class _KernelRunner(_Runner):
         return self.scores
 
     def select(self, scores: torch.Tensor, out: torch.Tensor) -> None:
-        rows = self.own_rows if out is self.state.topk_out else out.view(self.topk_rows)
+        rows = self.own_rows if out is self.parts.topk_out else out.view(self.topk_rows)
         if self.validate:
-            validate_topk_inputs(scores, self.state.plan.num_valid_pages, topk=self.wrapper.topk, out=rows, validate=True)
+            validate_topk_inputs(scores, self.parts.plan.num_valid_pages, topk=self.settings.topk, out=rows, validate=True)
         num_valid_pages, errors = self.topk_arguments
         if torch.compiler.is_compiling():
             from . import ops

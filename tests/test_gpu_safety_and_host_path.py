@@ -191,6 +191,53 @@ def test_repeated_plans_replay_a_graph_without_a_sync_or_an_allocation_and_build
 
 
 @needs_sm90
+def test_plan_graphs_are_captured_and_freed_safely_among_cyclic_garbage():
+    """A plan's graph capture survives the garbage collector (a collection that frees a CUDA graph would end the
+    capture): garbage cycles holding graphs are pending, and the collector would run on every allocation. A dropped
+    wrapper frees its own graphs at once, outside anyone's capture."""
+    import gc
+    import weakref
+
+    device = torch.device("cuda")
+    case = make_case([(300, 9000), (40, 5000)], num_heads=1, seed=12)
+    cu, seq_lens, block_table = (t.to(device) for t in case.metadata())
+
+    def planned_twice():
+        wrapper = BatchPrefillIndexerQ8KV8Wrapper(1, backend="cute")
+        for _ in range(2):
+            wrapper.plan(cu, seq_lens, block_table, **case.plan_kwargs())
+        return wrapper
+
+    thresholds = gc.get_threshold()
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):  # garbage cycles, each holding a captured plan graph
+            cycle = [planned_twice()]
+            cycle.append(cycle)
+            assert all(state.graph is not None for state in cycle[0]._states.values())
+            del cycle
+        gc.set_threshold(1)
+        gc.enable()
+        wrapper = planned_twice()  # captures while the collector is due at every allocation
+        state = next(iter(wrapper._states.values()))
+        assert state.graph is not None and not state.capture_failed
+        reference = weakref.ref(state)
+        del wrapper, state
+        assert reference() is None
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.enable()
+        gc.collect()
+    # the process's graphs still capture
+    graph, out = torch.cuda.CUDAGraph(), torch.empty(4, device=device)
+    with torch.cuda.graph(graph):
+        out.copy_(torch.arange(4, device=device, dtype=torch.float32))
+    graph.replay()
+    assert out.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@needs_sm90
 def test_replan_and_run_captured_in_a_graph_follow_in_place_metadata_updates():
     device = torch.device("cuda")
     case = make_case([(256, 9000), (256, 5000)], num_heads=2, seed=10)

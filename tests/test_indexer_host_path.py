@@ -153,11 +153,12 @@ def test_the_kernel_runner_hands_inputs_it_cannot_take_to_the_torch_backend_unde
     for backend in ("auto", "cute"):
         wrapper = BatchPrefillIndexerQ8KV8Wrapper(2)
         wrapper.plan(*case.metadata(), **case.plan_kwargs())
-        wrapper.backend = backend  # as if the plan had chosen the kernel for this backend setting
         torch_runner = wrapper._runner
         runner = object.__new__(wrapper_module._KernelRunner)
+        # as if the plan had chosen the kernel for this backend setting
         runner.__dict__.update(torch_runner.__dict__, operand_dtype=torch.float8_e4m3fn, torch_runners={},
-                               choice=BackendChoice("cute", "test"))
+                               choice=BackendChoice("cute", "test"),
+                               settings=torch_runner.settings._replace(backend=backend))
         if backend == "cute":
             with pytest.raises(ValueError, match="backend='cute' cannot score these inputs"):
                 runner.score(case.q, case.k_cache)
@@ -206,3 +207,28 @@ def test_owned_score_buffers_of_earlier_shapes_are_freed_beyond_the_budget(monke
     fresh = BatchPrefillIndexerQ8KV8Wrapper(1)
     fresh.plan(*cases[0].metadata(), **cases[0].plan_kwargs())
     assert torch.equal(wrapper.run(cases[0].q, cases[0].k_cache), fresh.run(cases[0].q, cases[0].k_cache))
+
+
+def test_a_dropped_wrapper_is_freed_without_the_garbage_collector():
+    """No reference cycles: a wrapper, its plan states and runners (and on CUDA its plan graphs) go when the last
+    reference does. Left to the cyclic collector, a graph could be freed in the middle of another CUDA graph
+    capture, which that capture does not survive."""
+    import gc
+    import weakref
+
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        wrapper = BatchPrefillIndexerQ8KV8Wrapper(2)
+        for lengths in ([(300, 9000), (40, 5000)], [(20, 700)]):
+            case = make_case(lengths, num_heads=2, seed=8)
+            for _ in range(3):  # repeated shapes: runner reuse, plan state reuse
+                wrapper.plan(*case.metadata(), **case.plan_kwargs())
+                wrapper.run(case.q, case.k_cache)
+        references = [weakref.ref(wrapper), weakref.ref(wrapper._runner)]
+        references += [weakref.ref(state) for state in wrapper._states.values()]
+        del wrapper
+        assert [reference() for reference in references] == [None] * len(references)
+    finally:
+        if collecting:
+            gc.enable()
