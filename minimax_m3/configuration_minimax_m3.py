@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from transformers import PreTrainedConfig
 
-__all__ = ["MiniMaxM3Config", "FULL_ATTENTION", "SPARSE_ATTENTION", "DENSE_MLP", "MOE_MLP"]
+__all__ = ["MiniMaxM3Config", "ROPE_TYPES", "FULL_ATTENTION", "SPARSE_ATTENTION", "DENSE_MLP", "MOE_MLP"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,9 @@ _ATTENTION_MODES = ("sparse", "dense")
 _MOE_IMPLEMENTATIONS = ("sparse", "all_experts")
 _PAGE_SELECTIONS = ("indexer", "recent")
 _COMPOSITE_TYPES = ("minimax_m3_vl",)
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+"""``rope_parameters["rope_type"]`` values the model serves (transformers' own RoPE initialisation functions compute
+all but ``default``); another type raises."""
 
 
 class MiniMaxM3Config(PreTrainedConfig):
@@ -186,11 +189,20 @@ class MiniMaxM3Config(PreTrainedConfig):
             mlp_layer_types = [MOE_MLP if f else DENSE_MLP for f in frequency]
         self.mlp_layer_types = list(mlp_layer_types)
 
+        if rope_parameters is None and kwargs.get("rope_scaling") is not None:
+            rope_parameters = dict(kwargs.pop("rope_scaling"))  # the older name of the same dict
         rope = dict(rope_parameters or {})
         self.rope_parameters = rope_parameters
         self.rope_theta = float(rope_theta if rope_theta is not None else rope.get("rope_theta", 5_000_000.0))
-        if partial_rotary_factor is None:
-            partial_rotary_factor = rope.get("partial_rotary_factor")
+        if rope.get("partial_rotary_factor") is not None:
+            # transformers' native model rotates head_dim * factor dimensions: the factor wins over a stale rotary_dim
+            partial_rotary_factor = rope["partial_rotary_factor"]
+            from_factor = int(round(head_dim * partial_rotary_factor))
+            if rotary_dim is not None and rotary_dim != from_factor:
+                logger.warning("rope_parameters.partial_rotary_factor = %s gives rotary_dim %d (head_dim %d); the "
+                               "config's rotary_dim %d is ignored", partial_rotary_factor, from_factor, head_dim,
+                               rotary_dim)
+            rotary_dim = from_factor
         if rotary_dim is None and partial_rotary_factor is not None:
             rotary_dim = int(round(head_dim * partial_rotary_factor))
         if rotary_dim is None:
@@ -244,8 +256,16 @@ class MiniMaxM3Config(PreTrainedConfig):
             raise ValueError(f"index_dtype must be one of {_INDEX_DTYPES}, got {self.index_dtype!r}")
         if self.attention_mode not in _ATTENTION_MODES:
             raise ValueError(f"attention_mode must be one of {_ATTENTION_MODES}, got {self.attention_mode!r}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_parameters rope_type {self.rope_type!r} is not supported; supported: {ROPE_TYPES}")
         if self.num_experts_per_tok > self.num_local_experts:
             raise ValueError("num_experts_per_tok must not exceed num_local_experts")
+
+    @property
+    def rope_type(self) -> str:
+        """``rope_parameters["rope_type"]`` (the older key ``type`` too), ``"default"`` without one."""
+        parameters = self.rope_parameters or {}
+        return parameters.get("rope_type", parameters.get("type", "default"))
 
     def to_dict(self) -> dict:
         """Serialise with the spelling the config was created with (a re-saved hub config stays loadable by vLLM)."""
@@ -255,8 +275,10 @@ class MiniMaxM3Config(PreTrainedConfig):
         dropped = _FLAT_ONLY_KEYS if self.spelling == "nested" else _NESTED_ONLY_KEYS
         for key in dropped:
             output.pop(key, None)
-        if self.spelling == "nested" and self.rope_parameters is None:
-            output.pop("rope_parameters", None)
+        if self.spelling == "nested" and self.rope_type != "default":
+            # the hub spelling names a RoPE scaling `rope_scaling` (theta and the rotated share are top-level keys)
+            output["rope_scaling"] = {key: value for key, value in self.rope_parameters.items()
+                                      if key not in ("rope_theta", "partial_rotary_factor")}
         return output
 
     @classmethod

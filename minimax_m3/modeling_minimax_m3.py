@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import ModelOutput
 from transformers.utils import generic as transformers_generic
 
@@ -92,17 +93,56 @@ def _compiled(name: str, function):
     return _compiled_functions[name]
 
 
+def _rope_config(config: MiniMaxM3Config):
+    """The RoPE fields as transformers' RoPE functions read them, on a config of their own (ours is not rewritten):
+    the rotated dimensions as ``partial_rotary_factor`` of ``head_dim``."""
+    from transformers import LlamaConfig
+
+    parameters = dict(config.rope_parameters or {})
+    parameters.pop("type", None)
+    parameters.update(rope_type=config.rope_type, rope_theta=config.rope_theta,
+                      partial_rotary_factor=config.rotary_dim / config.head_dim)
+    rope_config = LlamaConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+                              num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                              max_position_embeddings=config.max_position_embeddings, rope_parameters=parameters)
+    rope_config.partial_rotary_factor = parameters["partial_rotary_factor"]
+    return rope_config
+
+
+def rope_frequencies(config: MiniMaxM3Config, device=None, seq_len: Optional[int] = None):
+    """``(inv_freq, attention_scaling)`` of the config's RoPE over its ``rotary_dim`` dimensions: the default is
+    ``theta^(-2i / rotary_dim)``; other types come from transformers' ``ROPE_INIT_FUNCTIONS`` (``seq_len``: the
+    sequence length a dynamic type scales for)."""
+    rope_type = config.rope_type
+    if rope_type == "default":
+        exponent = torch.arange(0, config.rotary_dim, 2, dtype=torch.float64) / config.rotary_dim
+        return (config.rope_theta ** -exponent).float().to(device), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](_rope_config(config), device, seq_len=seq_len)
+    return inv_freq.float(), float(attention_scaling)
+
+
 class MiniMaxM3RotaryEmbedding(nn.Module):
-    """cos/sin of ``inv_freq = theta^(-2i / rotary_dim)`` for 1-D positions (fp32)."""
+    """cos/sin of the config's RoPE (``rope_parameters``; plain ``theta^(-2i / rotary_dim)`` by default) for 1-D
+    positions (fp32), for attention and the index path alike. A ``dynamic`` RoPE rescales its frequencies for a
+    forward whose sequences reach beyond ``max_position_embeddings`` (``longest``, a host int)."""
 
     def __init__(self, config: MiniMaxM3Config):
         super().__init__()
-        inv_freq = config.rope_theta ** (-torch.arange(0, config.rotary_dim, 2, dtype=torch.float64) / config.rotary_dim)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.config = config
+        self.rope_type = config.rope_type
+        inv_freq, self.attention_scaling = rope_frequencies(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, positions: torch.Tensor):
-        angles = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
-        return angles.cos(), angles.sin()
+    def forward(self, positions: torch.Tensor, longest: Optional[int] = None):
+        inv_freq = self.inv_freq.to(positions.device)
+        if self.rope_type == "dynamic" and longest is not None and longest > self.config.max_position_embeddings:
+            inv_freq, _ = rope_frequencies(self.config, positions.device, seq_len=longest)
+        angles = positions.float()[:, None] * inv_freq[None, :]
+        if self.attention_scaling == 1.0:
+            return angles.cos(), angles.sin()
+        return angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
 
 
 def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float, beta: float) -> torch.Tensor:
@@ -266,7 +306,10 @@ class MiniMaxM3Attention(nn.Module):
         return self.o_proj(attended.reshape(tokens, self.num_heads * self.head_dim)), selection
 
 
-class MiniMaxM3DecoderLayer(nn.Module):
+class MiniMaxM3DecoderLayer(GradientCheckpointingLayer):
+    """Under gradient checkpointing the backward pass runs the layer again: its cache writes land on the same
+    positions with the same values, so the cache stays as the forward left it."""
+
     def __init__(self, config: MiniMaxM3Config, layer_idx: int):
         super().__init__()
         self.self_attn = MiniMaxM3Attention(config, layer_idx)
@@ -289,9 +332,11 @@ class MiniMaxM3PreTrainedModel(PreTrainedModel):
     config_class = MiniMaxM3Config
     base_model_prefix = "model"
     _no_split_modules = ["MiniMaxM3DecoderLayer"]
-    _keep_in_fp32_modules = ["gate"]
+    # the router only (a regex over parameter names): a bare "gate" would also keep every gate_proj in fp32
+    _keep_in_fp32_modules = [r"block_sparse_moe\.gate\."]
     _keys_to_ignore_on_load_unexpected = [r"^mtp\.", r"\.mtp\."]
     _supports_sdpa = True
+    supports_gradient_checkpointing = True
 
     def _init_weights(self, module):
         std = self.config.initializer_range
@@ -304,9 +349,7 @@ class MiniMaxM3PreTrainedModel(PreTrainedModel):
         elif isinstance(module, MiniMaxM3SparseMoeBlock):
             nn.init.zeros_(module.e_score_correction_bias)
         elif isinstance(module, MiniMaxM3RotaryEmbedding):
-            c = self.config
-            inv_freq = c.rope_theta ** (-torch.arange(0, c.rotary_dim, 2, dtype=torch.float64) / c.rotary_dim)
-            module.inv_freq.copy_(inv_freq.float())
+            module.inv_freq.copy_(rope_frequencies(self.config)[0])
 
 
 # transformers >= 5.2x calls the cache output field `cache` (and renames `past_key_values=` to it); earlier 5.x
@@ -365,7 +408,7 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         cache.reserve(query_lengths)
         metadata = self._metadata(real, cache.lengths, query_lengths)
         packed = inputs_embeds[real]  # [T, hidden], sequences back to back
-        cos, sin = self.rotary_emb(metadata.positions)
+        cos, sin = self.rotary_emb(metadata.positions, max(p + q for p, q in zip(cache.lengths, query_lengths)))
 
         selections = []
         hidden = packed

@@ -84,11 +84,11 @@ def test_dequantize_mxfp8_uses_e8m0_exponents():
         dequantize_mxfp8(weight, scales[:, :1])
 
 
-def native_model():
+def native_model(**overrides):
     from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
     from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLForCausalLM
 
-    config = MiniMaxM3VLTextConfig(
+    values = dict(
         vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         intermediate_size=48, dense_intermediate_size=96, shared_intermediate_size=48, num_local_experts=4,
         num_experts_per_tok=2, rotary_dim=16,
@@ -97,6 +97,8 @@ def native_model():
         layer_types=["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"], mlp_layer_types=["dense", "sparse", "sparse"],
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
+    values.update(overrides)
+    config = MiniMaxM3VLTextConfig(**values)
     torch.manual_seed(0)
     model = MiniMaxM3VLForCausalLM(config).eval()
     with torch.no_grad():

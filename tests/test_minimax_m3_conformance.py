@@ -1,0 +1,116 @@
+"""transformers conventions the model follows (CPU, tiny config whose sparse layers drop pages): RoPE scaling through
+``rope_parameters``, the native config's rotary share, fp16 loading with an fp32 router, gradient checkpointing."""
+
+import json
+import logging
+
+import pytest
+import torch
+
+from minimax_m3 import MiniMaxM3Config, MiniMaxM3ForCausalLM
+from minimax_m3.modeling_minimax_m3 import MiniMaxM3RotaryEmbedding
+from test_minimax_m3 import tiny_config, tiny_model
+from test_minimax_m3_loading import native_model
+
+SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64},
+}
+
+
+# ------------------------------------------------------------------ RoPE
+@pytest.mark.parametrize("scaling", sorted(SCALINGS))
+def test_rope_scaling_matches_transformers_native_model(tmp_path, scaling):
+    """Logits and page sets of transformers' own MiniMax-M3 with the same ``rope_parameters`` (its RoPE is
+    transformers' rotary embedding: an independent path to the same frequencies and attention scaling); lengths
+    within and beyond ``max_position_embeddings`` (where a dynamic RoPE rescales)."""
+    rope = dict(SCALINGS[scaling], rope_theta=5e6, partial_rotary_factor=0.5)
+    native = native_model(rope_parameters=rope, max_position_embeddings=96)
+    native.save_pretrained(tmp_path)
+    config = MiniMaxM3Config.from_pretrained(tmp_path, index_dtype="float32")
+    assert config.rope_type == scaling
+    ours = MiniMaxM3ForCausalLM.from_pretrained(tmp_path, config=config, dtype=torch.float32)
+    plain = native_model(max_position_embeddings=96)
+    for length in (40, 150):
+        ids = torch.randint(3, 97, (1, length), generator=torch.Generator().manual_seed(length))
+        with torch.no_grad():
+            expected, got, unscaled = native(ids).logits, ours(ids).logits, plain(ids).logits
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+        # the scaling really acts (a dynamic RoPE only beyond max_position_embeddings)
+        changes = scaling != "dynamic" or length > 96
+        assert ((got - unscaled).abs().max() > 1e-3) == changes, (scaling, length)
+
+
+def test_rope_scaling_of_the_hub_spelling_is_saved_as_rope_scaling(tmp_path):
+    config = tiny_config(rope_scaling=dict(SCALINGS["yarn"]), max_position_embeddings=128)
+    assert config.rope_type == "yarn"
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["rope_scaling"] == SCALINGS["yarn"] and "rope_parameters" not in saved
+    reloaded = MiniMaxM3Config.from_pretrained(tmp_path)
+    assert reloaded.rope_type == "yarn" and reloaded.rope_parameters["factor"] == 2.0
+    first, second = MiniMaxM3RotaryEmbedding(config), MiniMaxM3RotaryEmbedding(reloaded)
+    assert torch.equal(first.inv_freq, second.inv_freq) and first.attention_scaling == second.attention_scaling != 1.0
+
+
+def test_a_rope_type_the_model_cannot_serve_raises():
+    with pytest.raises(ValueError, match="rope_type 'longrope' is not supported"):
+        tiny_config(rope_parameters={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8})
+
+
+def test_the_native_configs_rotary_share_wins_over_a_stale_rotary_dim(caplog):
+    """head_dim 16 with ``partial_rotary_factor`` 0.5 rotates 8 dimensions, as transformers' native model does,
+    whatever a stale ``rotary_dim`` says (it is logged)."""
+    flat = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, index_n_heads=2, index_head_dim=16, layer_types=["full_attention", "minimax_m3_sparse"],
+                mlp_layer_types=["dense", "dense"])
+    with caplog.at_level(logging.WARNING):
+        config = MiniMaxM3Config(**flat, rotary_dim=64,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
+    assert config.rotary_dim == 8 and "rotary_dim 64 is ignored" in caplog.text
+    model = MiniMaxM3ForCausalLM(config).eval()
+    assert model.model.rotary_emb.inv_freq.numel() == 4
+    assert torch.isfinite(model(torch.randint(3, 97, (1, 20))).logits).all()
+
+
+# ------------------------------------------------------------------ dtypes
+def test_fp16_loading_keeps_only_the_router_in_fp32(tmp_path):
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    half = MiniMaxM3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float16)
+    dtypes = {name: parameter.dtype for name, parameter in half.named_parameters()}
+    routers = [name for name in dtypes if name.endswith("block_sparse_moe.gate.weight")]
+    assert routers and all(dtypes[name] is torch.float32 for name in routers)
+    assert all(dtype is torch.float16 for name, dtype in dtypes.items() if name not in routers)
+    ids = torch.randint(3, 97, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        difference = (half(ids).logits.float() - model(ids).logits).abs().max()
+    assert difference < 0.05, difference
+
+
+# ------------------------------------------------------------------ training
+def test_gradient_checkpointing_recomputes_the_layers_and_gives_the_same_gradients():
+    ids = torch.randint(3, 97, (2, 60), generator=torch.Generator().manual_seed(1))
+
+    def train_step(checkpointing: bool):
+        model = tiny_model(seed=3).train()
+        if checkpointing:
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable()
+        attention_calls = []
+        for layer in model.model.layers:
+            layer.self_attn.register_forward_hook(lambda *args: attention_calls.append(1))
+        output = model(ids, labels=ids, output_page_selections=True)
+        output.loss.backward()
+        gradients = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+        return output, gradients, len(attention_calls)
+
+    plain, plain_gradients, plain_calls = train_step(False)
+    checkpointed, gradients, calls = train_step(True)
+    assert plain_calls == 3 and calls == 6  # every layer ran again in the backward pass
+    assert torch.equal(plain.loss, checkpointed.loss)
+    assert all(torch.equal(a, b) for a, b in zip(plain.page_selections, checkpointed.page_selections))
+    assert gradients.keys() == plain_gradients.keys()
+    for name, gradient in gradients.items():
+        torch.testing.assert_close(gradient, plain_gradients[name], atol=1e-6, rtol=1e-5, msg=name)
