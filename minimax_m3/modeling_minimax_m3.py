@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from dataclasses import fields as dataclass_fields
+from typing import Optional, Union
 
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import ModelOutput
-from transformers.utils import generic as transformers_generic
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.utils import can_return_tuple
 
 from indexer import score_row_pitch
 
@@ -352,22 +353,24 @@ class MiniMaxM3PreTrainedModel(PreTrainedModel):
             module.inv_freq.copy_(rope_frequencies(self.config)[0])
 
 
-# transformers >= 5.2x calls the cache output field `cache` (and renames `past_key_values=` to it); earlier 5.x
-# releases read `past_key_values`. The outputs carry whichever field the installed version's generate() reads.
-CACHE_FIELD = "cache" if hasattr(transformers_generic, "_rename_kwargs_for_bc") else "past_key_values"
+CACHE_FIELD = next(field.name for field in dataclass_fields(MoeModelOutputWithPast) if field.name in ("cache", "past_key_values"))
+"""The cache field of transformers' outputs: ``cache`` from transformers 5.2x on (which renames ``past_key_values=``
+to it), ``past_key_values`` before; generate() reads the installed version's."""
 
 
-def _output_class(name: str, fields: dict):
-    namespace = {"__annotations__": {key: Optional[Any] for key in fields}, **{key: None for key in fields}}
-    namespace["__module__"] = __name__
-    namespace["__doc__"] = f"{name}: " + ", ".join(fields)
-    return dataclass(type(name, (ModelOutput,), namespace))
+@dataclass
+class MiniMaxM3ModelOutput(MoeModelOutputWithPast):
+    """transformers' ``MoeModelOutputWithPast`` plus ``page_selections``: per sparse layer ``[B, S, G, topk]`` int32
+    page ids (``output_page_selections=True``)."""
+
+    page_selections: Optional[tuple] = None
 
 
-MiniMaxM3ModelOutput = _output_class("MiniMaxM3ModelOutput", {"last_hidden_state": None, CACHE_FIELD: None, "page_selections": None})
-MiniMaxM3CausalLMOutput = _output_class(
-    "MiniMaxM3CausalLMOutput", {"loss": None, "logits": None, CACHE_FIELD: None, "page_selections": None}
-)
+@dataclass
+class MiniMaxM3CausalLMOutput(MoeCausalLMOutputWithPast):
+    """transformers' ``MoeCausalLMOutputWithPast`` plus ``page_selections`` (as ``MiniMaxM3ModelOutput``)."""
+
+    page_selections: Optional[tuple] = None
 
 
 class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
@@ -380,22 +383,30 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         self.page_selector = PageSelector(config)
         self.post_init()
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
         past_key_values: Optional[MiniMaxM3Cache] = None,
         inputs_embeds: Optional[torch.Tensor] = None,
         use_cache: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
         output_page_selections: bool = False,
         **kwargs,
     ) -> MiniMaxM3ModelOutput:
+        """``position_ids``, when given, must be the positions the cache and ``attention_mask`` imply (each
+        sequence's real tokens counted from 0); other positions, such as packed sequences that restart theirs,
+        raise: pass such sequences as rows of a batch instead."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         batch, new_tokens = inputs_embeds.shape[:2]
         use_cache = self.config.use_cache if use_cache is None else use_cache
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
         cache = past_key_values if past_key_values is not None else MiniMaxM3Cache(self.config, batch)
         if cache.batch_size != batch:
             raise ValueError(f"past_key_values holds {cache.batch_size} sequences, the inputs have {batch}")
@@ -404,15 +415,23 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         query_lengths = real.sum(1).tolist()
         chunk = self._query_chunk_columns(cache, query_lengths, new_tokens)
         if chunk < new_tokens:
-            return self._forward_in_chunks(inputs_embeds, attention_mask, cache, use_cache, output_page_selections, chunk)
-        cache.reserve(query_lengths)
+            if position_ids is not None:
+                self._check_position_ids(position_ids, real, cache.lengths)
+            return self._forward_in_chunks(inputs_embeds, attention_mask, cache, use_cache, output_hidden_states,
+                                           output_page_selections, chunk)
+        cache.reserve(query_lengths)  # capacity only: the cached lengths stay until advance()
         metadata = self._metadata(real, cache.lengths, query_lengths)
+        if position_ids is not None:
+            self._check_position_ids(position_ids, real, cache.lengths, metadata.positions)
         packed = inputs_embeds[real]  # [T, hidden], sequences back to back
         cos, sin = self.rotary_emb(metadata.positions, max(p + q for p, q in zip(cache.lengths, query_lengths)))
 
         selections = []
+        hidden_states = []
         hidden = packed
         for layer in self.layers:
+            if output_hidden_states:
+                hidden_states.append(self._unpack(hidden, real))
             layer_device = next(layer.parameters()).device
             if hidden.device != layer_device:
                 hidden, metadata, cos, sin = self._to_device(hidden, metadata, cos, sin, layer_device)
@@ -421,11 +440,28 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
                 selections.append(self._unpack(selection, real))
         hidden = self.norm(hidden)
         cache.advance(query_lengths, new_tokens)
+        last_hidden_state = self._unpack(hidden, real)
         return MiniMaxM3ModelOutput(
-            last_hidden_state=self._unpack(hidden, real),
+            last_hidden_state=last_hidden_state,
+            hidden_states=tuple(hidden_states) + (last_hidden_state,) if output_hidden_states else None,
             page_selections=tuple(selections) if output_page_selections else None,
             **{CACHE_FIELD: cache if use_cache else None},
         )
+
+    @staticmethod
+    def _check_position_ids(position_ids, real, past_lengths, positions=None) -> None:
+        """Raise unless ``position_ids`` (``[B or 1, new tokens]``) holds, at the real tokens, the positions the model
+        uses (one synchronisation, only when a caller passes them)."""
+        if position_ids.dim() != 2 or position_ids.shape[1] != real.shape[1] or position_ids.shape[0] not in (1, real.shape[0]):
+            raise ValueError(f"position_ids must be [batch, new tokens] = {list(real.shape)}, got {tuple(position_ids.shape)}")
+        if positions is None:  # a chunked forward: the positions of its whole input
+            counts = torch.tensor(past_lengths, device=real.device)[:, None] + real.long().cumsum(1) - 1
+            positions = counts[real]
+        given = position_ids.to(real.device).expand(real.shape[0], -1)[real]
+        if not torch.equal(given, positions.to(given.dtype)):
+            raise ValueError("position_ids must equal each sequence's positions after its cached tokens (real tokens "
+                             "counted from 0, padding skipped); packed sequences that restart their positions are not "
+                             "supported: pass them as separate rows with an attention_mask")
 
     def _query_chunk_columns(self, cache: MiniMaxM3Cache, query_lengths: list, new_tokens: int) -> int:
         """Input columns per forward so the indexer's score buffer (``T * H * pitch`` fp32, the pages rounded up by
@@ -437,20 +473,25 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         bytes_per_column = 4 * cache.batch_size * self.config.index_n_heads * score_row_pitch(pages)
         return max(1, min(new_tokens, self.config.max_score_buffer_bytes // max(1, bytes_per_column)))
 
-    def _forward_in_chunks(self, inputs_embeds, attention_mask, cache, use_cache, output_page_selections, chunk):
+    def _forward_in_chunks(self, inputs_embeds, attention_mask, cache, use_cache, output_hidden_states,
+                           output_page_selections, chunk):
         total = inputs_embeds.shape[1]
         past_columns = 0 if attention_mask is None else attention_mask.shape[1] - total
-        hidden, selections = [], []
+        hidden, layer_states, selections = [], [], []
         for begin in range(0, total, chunk):
             end = min(total, begin + chunk)
             mask = None if attention_mask is None else attention_mask[:, : past_columns + end]
             output = self(inputs_embeds=inputs_embeds[:, begin:end], attention_mask=mask, past_key_values=cache,
-                          use_cache=True, output_page_selections=output_page_selections)
+                          use_cache=True, output_hidden_states=output_hidden_states,
+                          output_page_selections=output_page_selections, return_dict=True)
             hidden.append(output.last_hidden_state)
+            if output_hidden_states:
+                layer_states.append(output.hidden_states)
             if output_page_selections:
                 selections.append(output.page_selections)
         return MiniMaxM3ModelOutput(
             last_hidden_state=torch.cat(hidden, dim=1),
+            hidden_states=tuple(torch.cat(parts, dim=1) for parts in zip(*layer_states)) if output_hidden_states else None,
             page_selections=tuple(torch.cat(parts, dim=1) for parts in zip(*selections)) if output_page_selections else None,
             **{CACHE_FIELD: cache if use_cache else None},
         )
@@ -558,15 +599,18 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
     def set_input_embeddings(self, value):
         self.model.embed_tokens = value
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
         past_key_values: Optional[MiniMaxM3Cache] = None,
         inputs_embeds: Optional[torch.Tensor] = None,
         labels: Optional[torch.LongTensor] = None,
         use_cache: Optional[bool] = None,
         logits_to_keep: Union[int, torch.Tensor] = 0,
+        output_hidden_states: Optional[bool] = None,
         output_page_selections: bool = False,
         **kwargs,
     ) -> MiniMaxM3CausalLMOutput:
@@ -581,8 +625,11 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
             attention_mask=attention_mask,
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
+            position_ids=position_ids,
             use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
             output_page_selections=output_page_selections,
+            return_dict=True,
         )
         hidden = outputs.last_hidden_state
         # logits only where needed: at a 200K vocabulary every position of a long prompt would cost more than the model
@@ -594,5 +641,6 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return MiniMaxM3CausalLMOutput(
-            loss=loss, logits=logits, page_selections=outputs.page_selections, **{CACHE_FIELD: outputs[CACHE_FIELD] if CACHE_FIELD in outputs else None}
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, page_selections=outputs.page_selections,
+            **{CACHE_FIELD: outputs[CACHE_FIELD] if CACHE_FIELD in outputs else None},
         )

@@ -114,3 +114,54 @@ def test_gradient_checkpointing_recomputes_the_layers_and_gives_the_same_gradien
     assert gradients.keys() == plain_gradients.keys()
     for name, gradient in gradients.items():
         torch.testing.assert_close(gradient, plain_gradients[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+# ------------------------------------------------------------------ outputs and arguments
+def test_outputs_are_transformers_moe_outputs_and_tuples_on_request():
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+
+    model = tiny_model()
+    ids = torch.randint(3, 97, (2, 30), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding
+    output = model(ids, attention_mask=mask, output_page_selections=True)
+    assert isinstance(output, MoeCausalLMOutputWithPast) and output.page_selections is not None
+    assert isinstance(model.model(ids, attention_mask=mask), MoeModelOutputWithPast)
+    as_tuple = model(ids, attention_mask=mask, return_dict=False)
+    assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], output.logits)
+    assert isinstance(model.model(ids, attention_mask=mask, return_dict=False), tuple)
+
+
+def test_hidden_states_are_the_embeddings_every_layer_input_and_the_last_hidden_state():
+    model = tiny_model()
+    ids = torch.randint(3, 97, (2, 30), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    output = model.model(ids, attention_mask=mask, output_hidden_states=True)
+    states = output.hidden_states
+    assert len(states) == model.config.num_hidden_layers + 1
+    assert all(state.shape == (2, 30, model.config.hidden_size) for state in states)
+    real = mask.bool()
+    torch.testing.assert_close(states[0][real], model.model.embed_tokens(ids)[real])
+    assert torch.equal(states[-1], output.last_hidden_state)
+    assert model.model(ids, attention_mask=mask).hidden_states is None
+    # a query-chunked forward (a small score budget) gives the same states
+    model.config.max_score_buffer_bytes = 4 * 2 * 2 * 8 * 10
+    chunked = model.model(ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    for a, b in zip(chunked, states):
+        torch.testing.assert_close(a[real], b[real], atol=1e-5, rtol=1e-5)
+
+
+def test_position_ids_are_honoured_when_they_match_and_raise_otherwise():
+    model = tiny_model()
+    ids = torch.randint(3, 97, (2, 30), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    expected = model(ids, attention_mask=mask).logits
+    positions = (mask.cumsum(1) - 1).clamp(min=0)  # what generate() and tokenizers' collators build
+    assert torch.equal(model(ids, attention_mask=mask, position_ids=positions).logits, expected)
+    packed = torch.cat([torch.arange(15), torch.arange(15)])[None]  # two packed sequences restarting at 0
+    with pytest.raises(ValueError, match="packed sequences that restart their positions are not supported"):
+        model(ids[:1], position_ids=packed)
+    with pytest.raises(ValueError, match="position_ids must be"):
+        model(ids, position_ids=torch.arange(29)[None])
