@@ -580,17 +580,29 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
         return False  # the model creates its own MiniMaxM3Cache (positional K/V + paged index-K)
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, inputs_embeds=None, **kwargs):
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        inputs = {"attention_mask": attention_mask, "use_cache": kwargs.get("use_cache", True)}
+        """The step's new columns and every other generate() keyword (e.g. ``output_page_selections``); positions
+        come from the cache and the mask, so ``position_ids`` / ``cache_position`` are not passed on."""
+        cache = kwargs.pop("cache", None)
+        legacy_cache = kwargs.pop("past_key_values", None)
+        cache = cache if cache is not None else legacy_cache
+        for derived in ("position_ids", "cache_position"):
+            kwargs.pop(derived, None)
+        inputs = {"attention_mask": attention_mask, "use_cache": kwargs.pop("use_cache", True)}
         if isinstance(cache, MiniMaxM3Cache):
             inputs["past_key_values"] = cache
-            inputs["input_ids"] = input_ids[:, cache.columns_seen :]
+            # the mask spans every column so far; a generation that started from inputs_embeds has ids only for
+            # the tokens it generated, so the new columns are counted from the end
+            columns = attention_mask.shape[1] if attention_mask is not None else input_ids.shape[1]
+            new_columns = columns - cache.columns_seen
+            if not 0 < new_columns <= input_ids.shape[1]:
+                raise ValueError(f"the cache has seen {cache.columns_seen} columns and the inputs have {columns}: "
+                                 "nothing new to run")
+            inputs["input_ids"] = input_ids[:, input_ids.shape[1] - new_columns:]
         elif inputs_embeds is not None:
             inputs["inputs_embeds"] = inputs_embeds
         else:
             inputs["input_ids"] = input_ids
-        if "logits_to_keep" in kwargs:
-            inputs["logits_to_keep"] = kwargs["logits_to_keep"]
+        inputs.update(kwargs)
         return inputs
 
     def get_input_embeddings(self):

@@ -1,6 +1,7 @@
 """transformers conventions the model follows (CPU, tiny config whose sparse layers drop pages): RoPE scaling through
 ``rope_parameters``, the native config's rotary share, fp16 loading with an fp32 router, gradient checkpointing."""
 
+import functools
 import json
 import logging
 
@@ -165,3 +166,31 @@ def test_position_ids_are_honoured_when_they_match_and_raise_otherwise():
         model(ids[:1], position_ids=packed)
     with pytest.raises(ValueError, match="position_ids must be"):
         model(ids, position_ids=torch.arange(29)[None])
+
+
+# ------------------------------------------------------------------ generate
+def test_generate_from_inputs_embeds_gives_the_tokens_of_generate_from_ids():
+    model = tiny_model()
+    ids = torch.randint(3, 97, (2, 30), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    from_ids = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    from_embeds = model.generate(inputs_embeds=model.get_input_embeddings()(ids), attention_mask=mask,
+                                 max_new_tokens=6, do_sample=False)
+    assert torch.equal(from_embeds, from_ids[:, 30:])  # generate() returns only the new tokens for embeddings
+
+
+def test_generate_forwards_the_models_own_keywords(monkeypatch):
+    model = tiny_model()
+    seen = []
+    forward = type(model).forward
+
+    @functools.wraps(forward)  # generate() checks its keywords against the forward's signature
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("output_page_selections"))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", spy)
+    ids = torch.randint(3, 97, (1, 20), generator=torch.Generator().manual_seed(6))
+    model.generate(ids, max_new_tokens=3, do_sample=False, output_page_selections=True)
+    assert seen == [True, True, True]
