@@ -58,7 +58,17 @@ class MiniMaxM3Cache:
     def write(self, store_name: str, layer: int, values: torch.Tensor, batch_index: torch.Tensor, positions: torch.Tensor):
         """Write packed per-token ``values`` ``[T, ...]`` of ``layer`` at (sequence, position)."""
         store = getattr(self, store_name)
-        if store[layer] is None or store[layer].dtype != values.dtype or store[layer].device != values.device:
+        held = store[layer]
+        if held is not None and (held.dtype != values.dtype or held.device != values.device):
+            if any(self.lengths):
+                # re-allocating would silently drop the cached history
+                raise ValueError(
+                    f"the cache holds {store_name} of layer {layer} as {held.dtype} on {held.device}, the model now "
+                    f"computes {values.dtype} on {values.device}: continue a filled cache with the dtype and device "
+                    f"it was filled with (or start a new cache)"
+                )
+            held = None
+        if held is None:
             store[layer] = values.new_zeros(self.batch_size, self.capacity, *values.shape[1:])
         store[layer][batch_index, positions] = values
         return store[layer]

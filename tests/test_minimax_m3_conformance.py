@@ -194,3 +194,20 @@ def test_generate_forwards_the_models_own_keywords(monkeypatch):
     ids = torch.randint(3, 97, (1, 20), generator=torch.Generator().manual_seed(6))
     model.generate(ids, max_new_tokens=3, do_sample=False, output_page_selections=True)
     assert seen == [True, True, True]
+
+
+# ------------------------------------------------------------------ cache
+def test_continuing_a_filled_cache_in_another_dtype_raises_instead_of_dropping_its_history():
+    from minimax_m3.modeling_minimax_m3 import CACHE_FIELD
+
+    model = tiny_model()
+    ids = torch.randint(3, 97, (1, 30), generator=torch.Generator().manual_seed(7))
+    cache = model(ids[:, :20], use_cache=True)[CACHE_FIELD]
+    lengths = list(cache.lengths)
+    model.to(torch.float64)
+    with pytest.raises(ValueError, match="continue a filled cache with the dtype and device it was filled with"):
+        model(ids[:, 20:], past_key_values=cache, use_cache=True)
+    assert cache.lengths == lengths  # nothing advanced
+    model.to(torch.float32)  # back in the cache's dtype: the continuation is the one-forward result
+    continued = model(ids[:, 20:], past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(continued, model(ids).logits[:, 20:], atol=1e-5, rtol=1e-5)
