@@ -62,9 +62,13 @@ def iter_checkpoint_tensors(path: str) -> Iterator[Tuple[str, torch.Tensor]]:
             files = sorted(set(json.load(handle)["weight_map"].values()))
     else:
         files = ["model.safetensors"]
+    file_of: Dict[str, str] = {}
     for name in files:
         with safe_open(os.path.join(path, name), framework="pt") as handle:
             for key in handle.keys():
+                if key in file_of:  # which copy a loader keeps would be an accident of the file order
+                    raise ValueError(f"checkpoint at {path}: tensor {key} is in both {file_of[key]} and {name}")
+                file_of[key] = name
                 yield key, handle.get_tensor(key)
 
 
@@ -190,6 +194,8 @@ def load_converted(model_class, path: str, config, dtype: Optional[torch.dtype],
     for name, tensor in convert_to_model_names(iter_checkpoint_tensors(path), config):
         if name not in expected:
             raise ValueError(f"checkpoint at {path} has {name}, which the config's model does not")
+        if name in loaded:
+            raise ValueError(f"checkpoint at {path} holds {name} twice (under two of its names)")
         target = torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype
         set_module_tensor_to_device(model, name, _device_of(name, device_map), value=tensor.to(target), dtype=target)
         loaded.add(name)

@@ -569,7 +569,14 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
             config = kwargs.get("config") or MiniMaxM3Config.from_pretrained(path)
             dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
             return loading.load_converted(cls, path, config, dtype, kwargs.get("device_map"))
-        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        wants_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
+        if info["missing_keys"]:
+            # transformers would initialise them at random and only report it
+            missing = sorted(info["missing_keys"])
+            raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors of the model: {missing[:5]}"
+                             + (" ..." if len(missing) > 5 else ""))
+        return (model, info) if wants_info else model
 
     def reset_non_persistent_buffers(self) -> None:
         """Recompute buffers that are not in checkpoints (after loading onto meta-initialised modules)."""

@@ -211,3 +211,33 @@ def test_continuing_a_filled_cache_in_another_dtype_raises_instead_of_dropping_i
     model.to(torch.float32)  # back in the cache's dtype: the continuation is the one-forward result
     continued = model(ids[:, 20:], past_key_values=cache, use_cache=True).logits
     torch.testing.assert_close(continued, model(ids).logits[:, 20:], atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ loading
+def test_an_own_layout_checkpoint_missing_a_tensor_raises_naming_it(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tiny_model().save_pretrained(tmp_path)
+    (file,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(str(file))
+    tensors.pop("model.layers.1.block_sparse_moe.gate.weight")
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks 1 tensors of the model: \['model.layers.1.block_sparse_moe.gate.weight'\]"):
+        MiniMaxM3ForCausalLM.from_pretrained(tmp_path)
+
+
+def test_a_tensor_in_two_shards_of_an_official_checkpoint_raises_naming_both_files(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from test_minimax_m3_loading import write_official
+
+    write_official(tiny_model(), tmp_path / "official")
+    index = json.loads((tmp_path / "official" / "model.safetensors.index.json").read_text())
+    key = "language_model.model.norm.weight"
+    files = sorted(set(index["weight_map"].values()))
+    other = next(file for file in files if file != index["weight_map"][key])
+    source = load_file(str(tmp_path / "official" / index["weight_map"][key]))
+    tensors = load_file(str(tmp_path / "official" / other))
+    tensors[key] = source[key] + 1  # a second, different copy
+    save_file(tensors, str(tmp_path / "official" / other))
+    with pytest.raises(ValueError, match=f"tensor {key} is in both model-0000[12]-of-00002.safetensors and "):
+        MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "official")
