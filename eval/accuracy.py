@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -57,8 +56,8 @@ RETRIEVAL_LENGTHS_CPU = "4096"  # 32 pages: selection matters, and a 2-core CPU 
 
 
 class TaskSession:
-    """An lm-eval ``TaskManager`` over the bundled tasks (materialised with absolute paths into a temporary
-    directory that also holds their datasets cache) and, when a requested task is not bundled, lm-eval's own."""
+    """An lm-eval ``TaskManager`` over the bundled tasks (``eval/tasks``, read in place) and, when a requested task
+    is not bundled, lm-eval's own."""
 
     def __init__(self, tasks: Sequence[str], extra_task_paths: Sequence[Path] = ()):
         """``extra_task_paths``: more directories of task YAMLs (e.g. ``eval.retrieval_accuracy.retrieval_length_task``
@@ -66,31 +65,24 @@ class TaskSession:
         enforce_offline()
         from lm_eval.tasks import TaskManager
 
-        from .tasks import BUNDLED_TAG, bundled_task_names, materialize
+        from .tasks import BUNDLED_TAG, TASK_DIRECTORY, bundled_task_names
 
-        self._directory = tempfile.TemporaryDirectory(prefix="minimax-m3-eval-tasks-")
-        root = Path(self._directory.name)
-        materialize(root / "tasks", root / "datasets")
         bundled = set(bundled_task_names()) | {BUNDLED_TAG}
         # indexing lm-eval's thousands of task files takes seconds: only when a task needs them
         extra = [str(path) for path in extra_task_paths]
         extra_names = {path.stem for directory in extra_task_paths for path in Path(directory).glob("*.yaml")}
-        self.manager = TaskManager(include_path=[str(root / "tasks"), *extra],
+        self.manager = TaskManager(include_path=[str(TASK_DIRECTORY), *extra],
                                    include_defaults=not set(tasks) <= bundled | extra_names)
         unknown = [name for name in tasks if name not in self.manager.all_tasks]
         if unknown:
-            self.close()
             raise ValueError(f"unknown task(s) {unknown}: bundled tasks are {sorted(bundled)}; other names must be "
                              f"lm-eval tasks (see `lm_eval ls tasks`)")
 
-    def close(self) -> None:
-        self._directory.cleanup()
-
-    def __enter__(self):
+    def __enter__(self):  # holds nothing to release; a context manager so call sites read as sessions
         return self
 
     def __exit__(self, *exc):
-        self.close()
+        return None
 
 
 def run_lm_eval(model, tokenizer, tasks: Sequence[str], session: TaskSession, *, limit: Optional[float],

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from eval.tasks import BUNDLED_TAG, TASK_DIRECTORY, bundled_task_names, materialize
+from eval.tasks import BUNDLED_TAG, TASK_DIRECTORY, bundled_task_names
 from eval.tasks.make_retrieval import VARIANTS, write_variant
 from eval_isolation import isolate, no_network
 
@@ -47,7 +47,7 @@ def test_perplexity_text_is_public_domain_prose():
     assert sum(len(record["text"].split()) for record in records) > 2000
 
 
-def test_materialized_tasks_load_offline_from_any_directory(tmp_path, monkeypatch):
+def test_bundled_tasks_load_offline_from_any_directory_without_a_datasets_cache(tmp_path, monkeypatch):
     isolate(monkeypatch, tmp_path)
     no_network(monkeypatch)
     from eval.offline import enforce_offline
@@ -55,26 +55,24 @@ def test_materialized_tasks_load_offline_from_any_directory(tmp_path, monkeypatc
     enforce_offline()
     from lm_eval.tasks import TaskManager
 
-    directory = materialize(tmp_path / "tasks", tmp_path / "datasets")
-    monkeypatch.chdir(tmp_path)  # relative data paths would now point nowhere
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # data paths relative to the current directory would point nowhere
     assert sorted(bundled_task_names()) == ["m3_kv_retrieval_long", "m3_kv_retrieval_short", "m3_pd_perplexity"]
-    manager = TaskManager(include_path=str(directory), include_defaults=False)
+    manager = TaskManager(include_path=str(TASK_DIRECTORY), include_defaults=False)
     loaded = manager.load([BUNDLED_TAG])["tasks"]
     sizes = {name: len(list(task.test_docs())) for name, task in loaded.items()}
     assert sizes == {"m3_kv_retrieval_short": 64, "m3_kv_retrieval_long": 24, "m3_pd_perplexity": 6}
-    assert (tmp_path / "datasets").is_dir()  # the datasets cache went where it was told
+    assert list(elsewhere.iterdir()) == []  # nothing written where the process runs
     short = loaded["m3_kv_retrieval_short"]
     document = next(iter(short.test_docs()))
     assert short.doc_to_text(document).endswith(f"What is the value of {document['key']}?\nAnswer:")
     assert short.doc_to_choice(document) == document["choices"]
 
 
-def test_materialize_names_a_missing_data_file(tmp_path, monkeypatch):
-    import eval.tasks as tasks
+def test_a_missing_bundled_data_file_is_named(monkeypatch, tmp_path):
+    from eval.tasks import bundled_data
 
-    fake = tmp_path / "fake_tasks"
-    fake.mkdir()
-    (fake / "broken.yaml").write_text("task: broken\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: data/missing.jsonl\n")
-    monkeypatch.setattr(tasks, "TASK_DIRECTORY", fake)
-    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
-        tasks.materialize(tmp_path / "out", tmp_path / "cache")
+    monkeypatch.setattr(bundled_data, "DATA_DIRECTORY", tmp_path)
+    with pytest.raises(FileNotFoundError, match="kv_retrieval_short.jsonl"):
+        bundled_data.kv_retrieval_short()

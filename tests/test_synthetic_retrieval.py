@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from eval.synthetic_retrieval import (
     RetrievalDataConfig,
@@ -74,8 +73,9 @@ def test_answers_are_copies_of_lines_far_before_the_questions(generator, tokeniz
 
 
 def test_lines_and_questions_are_the_bundled_task_and_encode_canonically(generator, tokenizer):
-    with open(TASK_DIRECTORY / "m3_kv_retrieval_long.yaml") as handle:
-        task = yaml.safe_load(handle)
+    from eval.tasks import load_task_yaml
+
+    task = load_task_yaml(TASK_DIRECTORY / "m3_kv_retrieval_long.yaml")
     assert task["doc_to_text"] == "{{context}}" + QUESTION.replace("{key}", "{{key}}")
     batch = generator.sample_batch(random.Random("text"), 4096, 2)
     for query in range(batch.num_queries):
