@@ -78,12 +78,6 @@ class TaskSession:
             raise ValueError(f"unknown task(s) {unknown}: bundled tasks are {sorted(bundled)}; other names must be "
                              f"lm-eval tasks (see `lm_eval ls tasks`)")
 
-    def __enter__(self):  # holds nothing to release; a context manager so call sites read as sessions
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
 
 def run_lm_eval(model, tokenizer, tasks: Sequence[str], session: TaskSession, *, limit: Optional[float],
                 batch_size: int, max_length: Optional[int], num_fewshot: Optional[int], bootstrap_iters: int) -> dict:
@@ -209,15 +203,15 @@ def evaluate_accuracy(model, tokenizer, *, tasks: Sequence[str], modes: Sequence
         raise ValueError(f"modes must be two different modes of {tuple(MODE_SETTINGS)} (candidate, reference), got {modes}")
     started = time.perf_counter()
     per_mode, seconds = {}, {}
-    with TaskSession(tasks) as session:
-        for mode in modes:
-            logger.info("lm-eval in %s mode on %s", mode, ", ".join(tasks))
-            begin = time.perf_counter()
-            with attention_mode(model, mode):
-                per_mode[mode] = run_lm_eval(model, tokenizer, tasks, session, limit=limit, batch_size=batch_size,
-                                             max_length=max_length, num_fewshot=num_fewshot,
-                                             bootstrap_iters=bootstrap_iters)
-            seconds[mode] = time.perf_counter() - begin
+    session = TaskSession(tasks)
+    for mode in modes:
+        logger.info("lm-eval in %s mode on %s", mode, ", ".join(tasks))
+        begin = time.perf_counter()
+        with attention_mode(model, mode):
+            per_mode[mode] = run_lm_eval(model, tokenizer, tasks, session, limit=limit, batch_size=batch_size,
+                                         max_length=max_length, num_fewshot=num_fewshot,
+                                         bootstrap_iters=bootstrap_iters)
+        seconds[mode] = time.perf_counter() - begin
     result = {
         "kind": "accuracy",
         "modes": list(modes),

@@ -233,11 +233,6 @@ class BatchPrefillIndexerQ8KV8Wrapper:
             if not backends.cute_kernel_available():
                 raise RuntimeError("backend='cute' needs the CuTe DSL and TVM-FFI (pip install nvidia-cutlass-dsl "
                                    "apache-tvm-ffi); use 'auto' or 'torch'")
-        self.num_heads = num_heads
-        self.backend = backend
-        self.precision = precision
-        self.page_size = page_size
-        self.topk = topk
         self._settings = _Settings(num_heads, backend, precision, page_size, topk)
         self._runner = None
         self._plan_state: Optional[_PlanState] = None  # the state of the latest plan (the runner's)
@@ -389,6 +384,26 @@ class BatchPrefillIndexerQ8KV8Wrapper:
         raise IndexerRunError("; ".join(problems))
 
     # ------------------------------------------------------------------ state
+    @property
+    def num_heads(self) -> int:
+        return self._settings.num_heads
+
+    @property
+    def backend(self) -> str:
+        return self._settings.backend
+
+    @property
+    def precision(self) -> str:
+        return self._settings.precision
+
+    @property
+    def page_size(self) -> int:
+        return self._settings.page_size
+
+    @property
+    def topk(self) -> int:
+        return self._settings.topk
+
     @property
     def num_valid_pages(self) -> torch.Tensor:
         """``[total_q * H]`` int32: ``L + 1`` per row, filled by ``plan()``/``replan()``."""

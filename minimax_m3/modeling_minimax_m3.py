@@ -110,17 +110,17 @@ def _rope_config(config: MiniMaxM3Config):
     return rope_config
 
 
-def rope_frequencies(config: MiniMaxM3Config, device=None, seq_len: Optional[int] = None):
+def rope_frequencies(config: MiniMaxM3Config, device=None, seq_len: Optional[int] = None, rope_config=None):
     """``(inv_freq, attention_scaling)`` of the config's RoPE over its ``rotary_dim`` dimensions: the default is
     ``theta^(-2i / rotary_dim)``; other types come from transformers' ``ROPE_INIT_FUNCTIONS`` (``seq_len``: the
-    sequence length a dynamic type scales for)."""
-    rope_type = config.rope_type
-    if rope_type == "default":
+    sequence length a dynamic type scales for; ``rope_config``: a ``_rope_config(config)`` built before)."""
+    if config.rope_type == "default":
         exponent = torch.arange(0, config.rotary_dim, 2, dtype=torch.float64) / config.rotary_dim
         return (config.rope_theta ** -exponent).float().to(device), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](_rope_config(config), device, seq_len=seq_len)
+    rope_config = rope_config if rope_config is not None else _rope_config(config)
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[config.rope_type](rope_config, device, seq_len=seq_len)
     return inv_freq.float(), float(attention_scaling)
 
 
@@ -132,14 +132,16 @@ class MiniMaxM3RotaryEmbedding(nn.Module):
     def __init__(self, config: MiniMaxM3Config):
         super().__init__()
         self.config = config
-        self.rope_type = config.rope_type
+        # a dynamic RoPE recomputes its frequencies per long forward: the carrier config is built once
+        self.dynamic_rope_config = _rope_config(config) if config.rope_type == "dynamic" else None
         inv_freq, self.attention_scaling = rope_frequencies(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, longest: Optional[int] = None):
         inv_freq = self.inv_freq.to(positions.device)
-        if self.rope_type == "dynamic" and longest is not None and longest > self.config.max_position_embeddings:
-            inv_freq, _ = rope_frequencies(self.config, positions.device, seq_len=longest)
+        if self.dynamic_rope_config is not None and longest is not None and longest > self.config.max_position_embeddings:
+            inv_freq, _ = rope_frequencies(self.config, positions.device, seq_len=longest,
+                                           rope_config=self.dynamic_rope_config)
         angles = positions.float()[:, None] * inv_freq[None, :]
         if self.attention_scaling == 1.0:
             return angles.cos(), angles.sin()
@@ -415,16 +417,16 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         query_lengths = real.sum(1).tolist()
         chunk = self._query_chunk_columns(cache, query_lengths, new_tokens)
         if chunk < new_tokens:
-            if position_ids is not None:
-                self._check_position_ids(position_ids, real, cache.lengths)
+            if position_ids is not None:  # all of them before the first chunk writes the cache
+                self._check_position_ids(position_ids, real, self._metadata(real, cache.lengths, query_lengths).positions)
             return self._forward_in_chunks(inputs_embeds, attention_mask, cache, use_cache, output_hidden_states,
                                            output_page_selections, chunk)
         cache.reserve(query_lengths)  # capacity only: the cached lengths stay until advance()
         metadata = self._metadata(real, cache.lengths, query_lengths)
         if position_ids is not None:
-            self._check_position_ids(position_ids, real, cache.lengths, metadata.positions)
+            self._check_position_ids(position_ids, real, metadata.positions)
         packed = inputs_embeds[real]  # [T, hidden], sequences back to back
-        cos, sin = self.rotary_emb(metadata.positions, max(p + q for p, q in zip(cache.lengths, query_lengths)))
+        cos, sin = self.rotary_emb(metadata.positions, max(metadata.kv_lengths))
 
         selections = []
         hidden_states = []
@@ -449,14 +451,11 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         )
 
     @staticmethod
-    def _check_position_ids(position_ids, real, past_lengths, positions=None) -> None:
-        """Raise unless ``position_ids`` (``[B or 1, new tokens]``) holds, at the real tokens, the positions the model
-        uses (one synchronisation, only when a caller passes them)."""
+    def _check_position_ids(position_ids, real, positions) -> None:
+        """Raise unless ``position_ids`` (``[B or 1, new tokens]``) holds, at the real tokens, the ``positions`` the
+        model uses (one synchronisation, only when a caller passes them)."""
         if position_ids.dim() != 2 or position_ids.shape[1] != real.shape[1] or position_ids.shape[0] not in (1, real.shape[0]):
             raise ValueError(f"position_ids must be [batch, new tokens] = {list(real.shape)}, got {tuple(position_ids.shape)}")
-        if positions is None:  # a chunked forward: the positions of its whole input
-            counts = torch.tensor(past_lengths, device=real.device)[:, None] + real.long().cumsum(1) - 1
-            positions = counts[real]
         given = position_ids.to(real.device).expand(real.shape[0], -1)[real]
         if not torch.equal(given, positions.to(given.dtype)):
             raise ValueError("position_ids must equal each sequence's positions after its cached tokens (real tokens "

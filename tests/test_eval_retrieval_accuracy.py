@@ -97,7 +97,8 @@ def test_own_loop_gives_lm_evals_numbers(trained, tmp_path, variant):
     ra.retrieval_length_task(tmp_path, "m3_retrieval_test_512", documents)
     with ra.variant(model, variant) as configured:
         ours = ra.evaluate_variant(configured, tokenizer, documents, variant)
-    with ra.variant(model, variant) as configured, TaskSession(["m3_retrieval_test_512"], [tmp_path]) as session:
+    session = TaskSession(["m3_retrieval_test_512"], [tmp_path])
+    with ra.variant(model, variant) as configured:
         results = run_lm_eval(configured, tokenizer, ["m3_retrieval_test_512"], session, limit=None, batch_size=1,
                               max_length=4096, num_fewshot=None, bootstrap_iters=0)
     samples = sorted(results["samples"]["m3_retrieval_test_512"], key=lambda s: s["doc_id"])
