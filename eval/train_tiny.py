@@ -172,12 +172,12 @@ def tiny_model_config(vocab_size: int) -> MiniMaxM3Config:
 
     RoPE theta is 1e4, not M3's 5e6: a 3-layer model builds each key from the tokens a few positions back, and 16
     rotary frequencies spread up to theta 5e6 leave it few usable ones (the H200 sweep in docs/TRAINING.md). The
-    experts run as ``all_experts``: no host synchronisation in a training step, the same result."""
+    experts run as transformers' ``grouped_mm`` (the default): no host synchronisation in a training step."""
     return MiniMaxM3Config(
         vocab_size=vocab_size, hidden_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         head_dim=64, rotary_dim=32, rope_theta=1e4, intermediate_size=64, dense_intermediate_size=384,
         shared_intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=MAX_POSITIONS,
-        initializer_range=0.02, moe_layer_freq=[0, 1, 1], moe_implementation="all_experts",
+        initializer_range=0.02, moe_layer_freq=[0, 1, 1],
         # exact sparse attention as page-masked dense products: FlexAttention's compiled kernel for this geometry
         # (2 query heads per KV group, head dim 64) asked for more shared memory than an H200 has at 8K tokens
         # (torch 2.11), the per-token gather of the reference is slow; a 3-layer model affords O(T x S)

@@ -24,7 +24,14 @@ from . import MiniMaxM3Config, MiniMaxM3ForCausalLM
 from .sparse_attention import SPARSE_ATTENTION_FUNCTIONS
 
 
-def geometry_config(sparse_layers: int, *, tiny: bool, **overrides) -> MiniMaxM3Config:
+REAL_MOE = dict(intermediate_size=3072, dense_intermediate_size=12288, shared_intermediate_size=3072,
+                num_local_experts=128, num_experts_per_tok=4)
+"""MiniMax-M3's MLP widths: 128 routed experts of 3072 (top-4) plus a shared expert of 3072; dense MLP 12288."""
+
+
+def geometry_config(sparse_layers: int, *, tiny: bool, real_moe: bool = False, **overrides) -> MiniMaxM3Config:
+    """M3's attention geometry with a tiny MoE (the attention is what is measured), or with M3's real MLP widths
+    (``real_moe``: what a layer of the released model computes)."""
     layers = 1 + sparse_layers
     if tiny:  # CPU smoke runs: small everything, the contract's page/top-k shape kept
         values = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, rotary_dim=16,
@@ -36,18 +43,22 @@ def geometry_config(sparse_layers: int, *, tiny: bool, **overrides) -> MiniMaxM3
                       sparse_attention_config={"sparse_attention_freq": [0] + [1] * sparse_layers, "sparse_num_index_heads": 4,
                                                "sparse_index_dim": 128, "sparse_block_size": 128, "sparse_topk_blocks": 16,
                                                "sparse_init_block": 0, "sparse_local_block": 1})
-    # A tiny MoE (the attention is what is measured) run as all_experts: the same result as the routed loop without
-    # its per-expert host synchronisations, which dominated short prefills (measured on the H200).
+    # A tiny MoE (the attention is what is measured), run by transformers' grouped_mm experts (the default): no
+    # per-expert host synchronisations, which dominated short prefills with the older per-expert loop (H200).
     values.update(
         vocab_size=1024, num_hidden_layers=layers, intermediate_size=256, dense_intermediate_size=512,
         shared_intermediate_size=256, num_local_experts=4, num_experts_per_tok=2, moe_layer_freq=[0] + [1] * sparse_layers,
-        moe_implementation="all_experts", partial_rotary_factor=None, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        partial_rotary_factor=None, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
+    if real_moe:
+        values.update(REAL_MOE)
     values.update(overrides)
     return MiniMaxM3Config(**values)
 
 
-def build(mode: str, config: MiniMaxM3Config, device, dtype):
+def build(mode: str, config: MiniMaxM3Config, device, dtype, experts_implementation=None):
+    """``mode``'s model with random weights, built on ``device`` (a real-width MoE initialised on the CPU would take
+    minutes); ``experts_implementation``: transformers' name, None for the default."""
     torch.manual_seed(0)
     if mode == "native":
         from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
@@ -66,10 +77,14 @@ def build(mode: str, config: MiniMaxM3Config, device, dtype):
             layer_types=config.layer_types, mlp_layer_types=config.mlp_layer_types,
             bos_token_id=1, eos_token_id=2, pad_token_id=0,
         )
-        model = MiniMaxM3VLForCausalLM._from_config(native, attn_implementation="sdpa", dtype=dtype)
+        with torch.device(device):
+            model = MiniMaxM3VLForCausalLM._from_config(native, attn_implementation="sdpa", dtype=dtype,
+                                                        experts_implementation=experts_implementation)
     else:
         mode_config = MiniMaxM3Config(**{**config.to_dict(), "attention_mode": "dense" if mode == "dense" else "sparse"})
-        model = MiniMaxM3ForCausalLM(mode_config).to(dtype)
+        with torch.device(device):
+            model = MiniMaxM3ForCausalLM._from_config(mode_config, dtype=dtype,
+                                                      experts_implementation=experts_implementation)
     return model.to(device).eval()
 
 
@@ -97,9 +112,9 @@ def measure(fn, device, repeats: int):
     return statistics.median(times), peak
 
 
-def bench_model(mode, config, length, device, dtype, repeats):
+def bench_model(mode, config, length, device, dtype, repeats, experts_implementation=None):
     try:
-        model = build(mode, config, device, dtype)
+        model = build(mode, config, device, dtype, experts_implementation)
         ids = torch.randint(3, config.vocab_size, (1, length), device=device)
 
         def prefill():
@@ -116,6 +131,7 @@ def bench_model(mode, config, length, device, dtype, repeats):
         model = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    result["experts"] = experts_implementation or "default"
     return result
 
 
@@ -281,6 +297,11 @@ def main(argv=None):
                         help="the sparse layers' attention function (config.sparse_attention_implementation)")
     parser.add_argument("--selection", default="model", choices=["model", "clustered"],
                         help="--attention-only: attend over the indexer's selections or clustered ones (see bench_attention)")
+    parser.add_argument("--real-moe", action="store_true",
+                        help="M3's real MLP widths (128 experts of 3072, top-4, shared 3072; dense 12288), not a tiny MoE")
+    parser.add_argument("--experts", default="default",
+                        help="comma-separated experts implementations to compare (transformers' names: grouped_mm, "
+                             "batched_mm, eager; default: the model's default)")
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -288,7 +309,9 @@ def main(argv=None):
     default_lengths = "96,200" if tiny else "8192,32768,131072,262144"
     lengths = [int(x) for x in (args.lengths or default_lengths).split(",")]
     dtype = torch.float32 if tiny else torch.bfloat16
-    config = geometry_config(args.sparse_layers, tiny=tiny, sparse_attention_implementation=args.sparse_attention)
+    config = geometry_config(args.sparse_layers, tiny=tiny, real_moe=args.real_moe,
+                             sparse_attention_implementation=args.sparse_attention)
+    experts = [None if name == "default" else name for name in args.experts.split(",")]
     if tiny:
         print("no GPU: a tiny geometry at short lengths (a smoke run, not a measurement)", file=sys.stderr)
     results = []
@@ -297,8 +320,9 @@ def main(argv=None):
             results.append(bench_attention(config, length, device, dtype, args.repeats, args.selection))
         else:
             for mode in args.modes.split(","):
-                results.append(bench_model(mode, config, length, device, dtype, args.repeats))
-        print(json.dumps(results[-1]), flush=True)
+                for experts_implementation in experts:
+                    results.append(bench_model(mode, config, length, device, dtype, args.repeats, experts_implementation))
+                    print(json.dumps(results[-1]), flush=True)
     if args.output:
         with open(args.output, "w") as handle:
             json.dump(results, handle, indent=1)
@@ -306,8 +330,8 @@ def main(argv=None):
         print("\n| length | selection | sparse block ms | dense block ms | block speed-up | sparse core ms | dense core ms | core speed-up |")
         print("|---|---|---|---|---|---|---|---|")
     else:
-        print("\n| length | mode | ms | tokens/s | peak GiB |")
-        print("|---|---|---|---|---|")
+        print("\n| length | mode | experts | ms | tokens/s | peak GiB |")
+        print("|---|---|---|---|---|---|")
     for r in results:
         if args.attention_only:
             core = (f"{r['sparse_core_seconds'] * 1e3:.1f} | {r['dense_core_seconds'] * 1e3:.1f} | {r['core_speedup']:.1f}x"
@@ -315,11 +339,12 @@ def main(argv=None):
             print(f"| {r['length']} | {r['selection']} | {r['sparse_attention_seconds'] * 1e3:.1f} | "
                   f"{r['dense_attention_seconds'] * 1e3:.1f} | {r['speedup']:.1f}x | {core} |")
         elif r.get("oom"):
-            print(f"| {r['length']} | {r['mode']} | OOM | - | - |")
+            print(f"| {r['length']} | {r['mode']} | {r['experts']} | OOM | - | - |")
         elif r.get("skipped"):
-            print(f"| {r['length']} | {r['mode']} | skipped ({r['skipped']}) | - | - |")
+            print(f"| {r['length']} | {r['mode']} | {r['experts']} | skipped ({r['skipped']}) | - | - |")
         else:
-            print(f"| {r['length']} | {r['mode']} | {r['seconds'] * 1e3:.1f} | {r['tokens_per_second']:.0f} | {r['peak_gib']:.1f} |")
+            print(f"| {r['length']} | {r['mode']} | {r['experts']} | {r['seconds'] * 1e3:.1f} | "
+                  f"{r['tokens_per_second']:.0f} | {r['peak_gib']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ import sys
 import torch
 
 from .bench_prefill import clustered_selection
-from .sparse_attention import ForwardMetadata, dense_attention, sparse_attention_flex
+from .dense_attention import dense_attention
+from .sparse_attention import ForwardMetadata, sparse_attention_flex
 from .sparse_attention_cute import cute_sparse_attention_supported, page_unions, sparse_attention_cute
 
 PAGE, TOPK, HEADS, KV_HEADS, DIM = 128, 16, 64, 4, 128

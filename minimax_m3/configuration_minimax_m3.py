@@ -40,7 +40,7 @@ _FLAT_ONLY_KEYS = ("index_n_heads", "index_head_dim", "index_block_size", "index
 _NESTED_ONLY_KEYS = ("sparse_attention_config", "moe_layer_freq")
 _INDEX_DTYPES = ("float8_e4m3fn", "bfloat16", "float32")
 _ATTENTION_MODES = ("sparse", "dense")
-_MOE_IMPLEMENTATIONS = ("sparse", "all_experts")
+_LEGACY_MOE_IMPLEMENTATIONS = ("sparse", "all_experts")
 _PAGE_SELECTIONS = ("indexer", "recent")
 _COMPOSITE_TYPES = ("minimax_m3_vl",)
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -65,10 +65,14 @@ class MiniMaxM3Config(PreTrainedConfig):
         page_selection (`str`, defaults to `"indexer"`): how sparse layers choose their pages. `"indexer"` is
             MiniMax Sparse Attention; `"recent"` takes the `index_topk_blocks` most recent pages (the local page
             and the pages right before it): the sliding-window baseline of the accuracy evaluation.
-        moe_implementation (`str`, defaults to `"sparse"`): how routed experts run. `"sparse"` runs each expert on
-            the tokens routed to it (the host learns which experts were chosen: one synchronisation per expert);
-            `"all_experts"` runs every expert on every token and weights the unchosen ones by zero: the same result
-            without host synchronisation, for models with a few small experts (training the tiny models).
+        output_router_logits (`bool`, defaults to `False`): return each MoE layer's router logits and add the
+            load-balancing loss (`router_aux_loss_coef` times it) to the language-modelling loss.
+        router_aux_loss_coef (`float`, defaults to 0.001): weight of that loss.
+
+    The routed experts run through transformers' experts implementations (`experts_implementation=` of
+    `from_pretrained` or the config: `"grouped_mm"` by default, `"batched_mm"`, `"eager"`). A saved config's
+    `moe_implementation` (`"sparse"` or `"all_experts"`, this package's older switch; both computed the same result)
+    is read and dropped: the model runs the experts implementation instead.
     """
 
     model_type = "minimax_m3"
@@ -118,7 +122,8 @@ class MiniMaxM3Config(PreTrainedConfig):
         sparse_attention_implementation: str = "auto",
         indexer_backend: str = "auto",
         max_score_buffer_bytes: int = 8 << 30,
-        moe_implementation: str = "sparse",
+        output_router_logits: bool = False,
+        router_aux_loss_coef: float = 0.001,
         page_selection: str = "indexer",
         pad_token_id: Optional[int] = None,
         bos_token_id: Optional[int] = 200034,
@@ -152,9 +157,15 @@ class MiniMaxM3Config(PreTrainedConfig):
         self.sparse_attention_implementation = sparse_attention_implementation
         self.indexer_backend = indexer_backend
         self.max_score_buffer_bytes = max_score_buffer_bytes
-        if moe_implementation not in _MOE_IMPLEMENTATIONS:
-            raise ValueError(f"moe_implementation must be one of {_MOE_IMPLEMENTATIONS}, got {moe_implementation!r}")
-        self.moe_implementation = moe_implementation
+        self.output_router_logits = output_router_logits
+        self.router_aux_loss_coef = router_aux_loss_coef
+        legacy_moe = kwargs.pop("moe_implementation", None)
+        if legacy_moe is not None:
+            if legacy_moe not in _LEGACY_MOE_IMPLEMENTATIONS:
+                raise ValueError(f"moe_implementation (the older experts switch) must be one of "
+                                 f"{_LEGACY_MOE_IMPLEMENTATIONS}, got {legacy_moe!r}; use experts_implementation")
+            logger.info("moe_implementation=%r is replaced by transformers' experts_implementation (the same result); "
+                        "the model runs %s", legacy_moe, kwargs.get("experts_implementation") or "its default")
         if page_selection not in _PAGE_SELECTIONS:
             raise ValueError(f"page_selection must be one of {_PAGE_SELECTIONS}, got {page_selection!r}")
         self.page_selection = page_selection

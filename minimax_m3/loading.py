@@ -6,8 +6,10 @@
 * the MXFP8 release (``quantization_config.quant_method == "mxfp8"``): e4m3 weights with a uint8 E8M0
   ``weight_scale_inv`` per 1x32 input block, dequantised at load as ``W = fp8 * 2^(s - 127)``;
 * transformers' native ``MiniMaxM3VLForCausalLM.save_pretrained`` output (``minimax_m3_vl_text``): its
-  ``self_attn.indexer.*``, packed ``mlp.experts.gate_up_proj`` / ``down_proj``, ``mlp.gate.*`` and fused
-  ``gate_up_proj`` names are converted to the checkpoint's.
+  ``self_attn.indexer.*``, ``mlp.gate.*`` and fused dense ``gate_up_proj`` names are converted to the checkpoint's.
+
+The model holds the routed experts packed (``experts.gate_up_proj`` / ``down_proj``, transformers' experts layout):
+the per-expert ``w1`` / ``w3`` / ``w2`` of the official layouts are packed as they stream in.
 
 The router gate and its bias stay fp32 whatever ``dtype`` is asked for.
 """
@@ -145,15 +147,8 @@ def _convert_native(key: str, tensor: torch.Tensor, config):
         return [(f"{prefix}block_sparse_moe.gate.weight", tensor)]
     if rest == "mlp.gate.e_score_correction_bias":
         return [(f"{prefix}block_sparse_moe.e_score_correction_bias", tensor)]
-    if rest == "mlp.experts.gate_up_proj":
-        width = tensor.shape[1] // 2
-        out = []
-        for expert in range(tensor.shape[0]):
-            out.append((f"{prefix}block_sparse_moe.experts.{expert}.w1.weight", tensor[expert, :width]))
-            out.append((f"{prefix}block_sparse_moe.experts.{expert}.w3.weight", tensor[expert, width:]))
-        return out
-    if rest == "mlp.experts.down_proj":
-        return [(f"{prefix}block_sparse_moe.experts.{e}.w2.weight", tensor[e]) for e in range(tensor.shape[0])]
+    if rest in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+        return [(f"{prefix}block_sparse_moe.{rest[len('mlp.'):]}", tensor)]
     if rest == "mlp.shared_experts.gate_up_proj.weight":
         gate, up = tensor.chunk(2, dim=0)
         return [(f"{prefix}block_sparse_moe.shared_experts.gate_proj.weight", gate),
@@ -191,7 +186,18 @@ def load_converted(model_class, path: str, config, dtype: Optional[torch.dtype],
         device_map = {"": device_map}
     expected = set(model.state_dict())
     loaded = set()
+    packer = _ExpertPacker(config)
     for name, tensor in convert_to_model_names(iter_checkpoint_tensors(path), config):
+        piece = _EXPERT_PIECE.match(name)
+        if piece:
+            experts = piece.group(1)
+            if f"{experts}.gate_up_proj" not in expected:
+                raise ValueError(f"checkpoint at {path} has {name}, which the config's model does not")
+            target = _device_of(f"{experts}.gate_up_proj", device_map)
+            for packed_name, packed in packer.add(name, piece, tensor, dtype, target):
+                set_module_tensor_to_device(model, packed_name, target, value=packed, dtype=dtype)
+                loaded.add(packed_name)
+            continue
         if name not in expected:
             raise ValueError(f"checkpoint at {path} has {name}, which the config's model does not")
         if name in loaded:
@@ -199,6 +205,7 @@ def load_converted(model_class, path: str, config, dtype: Optional[torch.dtype],
         target = torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype
         set_module_tensor_to_device(model, name, _device_of(name, device_map), value=tensor.to(target), dtype=target)
         loaded.add(name)
+    packer.check_complete(path)
     missing = expected - loaded
     if missing:
         raise ValueError(f"checkpoint at {path} lacks {len(missing)} tensors of the config's model, e.g. {sorted(missing)[:5]}")
@@ -208,6 +215,50 @@ def load_converted(model_class, path: str, config, dtype: Optional[torch.dtype],
         model = dispatch_model(model, device_map=device_map)
     logger.info("loaded %s (%s layout) into MiniMaxM3ForCausalLM", path, checkpoint_layout(path))
     return model
+
+
+_EXPERT_PIECE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+
+
+class _ExpertPacker:
+    """Packs a layer's per-expert ``w1`` / ``w3`` / ``w2`` into ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``
+    on the target device as they stream in (one packed copy in memory, not the pieces as well)."""
+
+    def __init__(self, config):
+        self.experts = config.num_local_experts
+        self.width = config.intermediate_size
+        self.hidden = config.hidden_size
+        self.layers = {}  # prefix -> (gate_up, down, names seen)
+
+    def add(self, name, piece, tensor, dtype, device):
+        """Copy one piece in; returns the packed ``(name, tensor)`` pairs once the layer is complete."""
+        prefix, expert, which = piece.group(1), int(piece.group(2)), piece.group(3)
+        if prefix not in self.layers:
+            self.layers[prefix] = (
+                torch.empty(self.experts, 2 * self.width, self.hidden, dtype=dtype, device=device),
+                torch.empty(self.experts, self.hidden, self.width, dtype=dtype, device=device),
+                set(),
+            )
+        gate_up, down, seen = self.layers[prefix]
+        if not 0 <= expert < self.experts:
+            raise ValueError(f"checkpoint tensor {name}: expert {expert} is outside num_local_experts = {self.experts}")
+        if name in seen:
+            raise ValueError(f"checkpoint holds {name} twice (under two of its names)")
+        rows = {"w1": gate_up[expert, : self.width], "w3": gate_up[expert, self.width:], "w2": down[expert]}[which]
+        if tuple(tensor.shape) != tuple(rows.shape):
+            raise ValueError(f"checkpoint tensor {name} is {tuple(tensor.shape)}, the config expects {tuple(rows.shape)}")
+        rows.copy_(tensor)
+        seen.add(name)
+        if len(seen) < 3 * self.experts:
+            return []
+        del self.layers[prefix]
+        return [(f"{prefix}.gate_up_proj", gate_up), (f"{prefix}.down_proj", down)]
+
+    def check_complete(self, path: str) -> None:
+        for prefix, (_, _, seen) in self.layers.items():
+            absent = sorted(f"{prefix}.{e}.{w}.weight" for e in range(self.experts) for w in ("w1", "w2", "w3")
+                            if f"{prefix}.{e}.{w}.weight" not in seen)
+            raise ValueError(f"checkpoint at {path} lacks {len(absent)} expert tensors, e.g. {absent[:5]}")
 
 
 def _device_of(name: str, device_map: dict):

@@ -15,21 +15,18 @@ from typing import Optional, Union
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
+from transformers.integrations import use_experts_implementation
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.models.minimax_m2.modeling_minimax_m2 import load_balancing_loss_func
 from transformers.utils import can_return_tuple
 
 from indexer import score_row_pitch
 
 from .cache import MiniMaxM3Cache
 from .configuration_minimax_m3 import DENSE_MLP, SPARSE_ATTENTION, MiniMaxM3Config
-from .sparse_attention import (
-    ForwardMetadata,
-    PageSelector,
-    dense_attention,
-    get_sparse_attention_function,
-    to_index_dtype,
-)
+from .dense_attention import ALL_ATTENTION_FUNCTIONS, check_served, dense_attention, eager_attention_forward
+from .sparse_attention import ForwardMetadata, PageSelector, get_sparse_attention_function, to_index_dtype
 
 __all__ = ["MiniMaxM3PreTrainedModel", "MiniMaxM3Model", "MiniMaxM3ForCausalLM"]
 
@@ -174,24 +171,36 @@ def _swiglu(config: MiniMaxM3Config, gate: torch.Tensor, up: torch.Tensor) -> to
     return activation(gate, up, config.swiglu_alpha, config.swiglu_limit, config.swiglu_beta)
 
 
-class MiniMaxM3Expert(nn.Module):
-    """One routed expert with the checkpoint's names: ``w1`` gate, ``w3`` up, ``w2`` down."""
+@use_experts_implementation
+class MiniMaxM3Experts(nn.Module):
+    """The routed experts packed as transformers' experts modules are: ``gate_up_proj [E, 2I, H]`` (the checkpoint's
+    ``w1`` rows, then its ``w3`` rows) and ``down_proj [E, H, I]`` (``w2``); the checkpoint's per-expert names are
+    packed at load time (``conversion.py``) and unpacked on save. ``config.experts_implementation`` picks the forward:
+    ``grouped_mm`` (the default: one grouped GEMM per projection, no host synchronisation), ``batched_mm`` or
+    ``eager`` (this class's loop over the chosen experts, the reference)."""
 
     def __init__(self, config: MiniMaxM3Config):
         super().__init__()
         self.config = config
-        self.w1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.w3 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.num_experts = config.num_local_experts
+        self.hidden_dim = config.hidden_size
+        self.intermediate_dim = config.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
 
-    def forward(self, x):
-        return self.w2(_swiglu(self.config, self.w1(x), self.w3(x)))
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """``sum_k top_k_weights[t, k] * expert_{top_k_index[t, k]}(hidden_states[t])`` (fp32 sum, input dtype)."""
+        routed = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+        for expert_id in torch.unique(top_k_index).tolist():
+            tokens, slot = torch.nonzero(top_k_index == expert_id, as_tuple=True)
+            gated = self._apply_gate(nn.functional.linear(hidden_states[tokens], self.gate_up_proj[expert_id]))
+            output = nn.functional.linear(gated, self.down_proj[expert_id])
+            routed.index_add_(0, tokens, output.float() * top_k_weights[tokens, slot, None])
+        return routed.to(hidden_states.dtype)
 
-
-def weighted_expert_sum(expert_outputs, expert_weights: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-    """``sum_e expert_weights[..., e] * expert_outputs[e] + shared`` in fp32, in the outputs' dtype (``all_experts``)."""
-    routed = sum(output.float() * expert_weights[..., index, None] for index, output in enumerate(expert_outputs))
-    return (routed + shared.float()).to(shared.dtype)
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return _swiglu(self.config, gate, up)
 
 
 class MiniMaxM3SparseMoeBlock(nn.Module):
@@ -203,30 +212,23 @@ class MiniMaxM3SparseMoeBlock(nn.Module):
         self.config = config
         self.gate = nn.Linear(config.hidden_size, config.num_local_experts, bias=False, dtype=torch.float32)
         self.register_buffer("e_score_correction_bias", torch.zeros(config.num_local_experts, dtype=torch.float32))
-        self.experts = nn.ModuleList(MiniMaxM3Expert(config) for _ in range(config.num_local_experts))
+        self.experts = MiniMaxM3Experts(config)
         self.shared_experts = MiniMaxM3MLP(config, config.shared_intermediate_size * config.n_shared_experts)
 
     def route(self, x: torch.Tensor):
-        """``(expert ids [T, k], weights [T, k] fp32)``; the router stays fp32 whatever the model dtype."""
-        probabilities = torch.sigmoid(x.float() @ self.gate.weight.float().T)
+        """``(expert ids [T, k], weights [T, k] fp32, router logits [T, E] fp32)``; the router stays fp32 whatever
+        the model dtype."""
+        logits = x.float() @ self.gate.weight.float().T
+        probabilities = torch.sigmoid(logits)
         chosen = torch.topk(probabilities + self.e_score_correction_bias.float(), self.config.num_experts_per_tok, dim=-1).indices
         weights = probabilities.gather(-1, chosen)
         weights = weights / weights.sum(-1, keepdim=True) * self.config.routed_scaling_factor
-        return chosen, weights
+        return chosen, weights, logits
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        chosen, weights = self.route(x)
-        if self.config.moe_implementation == "all_experts":
-            expert_weights = torch.zeros(*x.shape[:-1], len(self.experts), dtype=torch.float32, device=x.device)
-            expert_weights.scatter_(-1, chosen, weights)
-            combine = _compiled("weighted_expert_sum", weighted_expert_sum) if _fuse(x) else weighted_expert_sum
-            return combine(tuple(expert(x) for expert in self.experts), expert_weights, self.shared_experts(x))
-        routed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for expert_id in torch.unique(chosen).tolist():
-            tokens, slot = torch.nonzero(chosen == expert_id, as_tuple=True)
-            contribution = self.experts[expert_id](x[tokens]).float() * weights[tokens, slot, None]
-            routed.index_add_(0, tokens, contribution)
-        return (routed + self.shared_experts(x).float()).to(x.dtype)
+    def forward(self, x: torch.Tensor):
+        """``(output [T, hidden], router logits [T, E])`` of packed tokens ``x [T, hidden]``."""
+        chosen, weights, logits = self.route(x)
+        return self.experts(x, chosen, weights) + self.shared_experts(x), logits
 
 
 class MiniMaxM3Attention(nn.Module):
@@ -300,7 +302,9 @@ class MiniMaxM3Attention(nn.Module):
                         cache.index_pages(self.layer_idx), cache.block_table(x.device), index_q, metadata
                     )
         if selection is None:
-            attended = dense_attention(q, keys, values, metadata, scale=self.scale)
+            attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+            attended = dense_attention(q, keys, values, metadata, scale=self.scale, attention=attention, module=self,
+                                       dropout=self.config.attention_dropout if self.training else 0.0)
         else:
             attend = get_sparse_attention_function(
                 self.config.sparse_attention_implementation, x.device, self.config.index_block_size
@@ -324,11 +328,14 @@ class MiniMaxM3DecoderLayer(GradientCheckpointingLayer):
             self.block_sparse_moe = MiniMaxM3SparseMoeBlock(config)
 
     def forward(self, x, cos, sin, cache, metadata, page_selector):
+        """``(output, page selection or None, router logits or None)`` of packed tokens ``x [T, hidden]``."""
         attended, selection = self.self_attn(self.input_layernorm(x), cos, sin, cache, metadata, page_selector)
         x = x + attended
         normed = self.post_attention_layernorm(x)
-        feed_forward = self.mlp if hasattr(self, "mlp") else self.block_sparse_moe
-        return x + feed_forward(normed), selection
+        if hasattr(self, "mlp"):
+            return x + self.mlp(normed), selection, None
+        feed_forward, router_logits = self.block_sparse_moe(normed)
+        return x + feed_forward, selection, router_logits
 
 
 class MiniMaxM3PreTrainedModel(PreTrainedModel):
@@ -339,7 +346,15 @@ class MiniMaxM3PreTrainedModel(PreTrainedModel):
     _keep_in_fp32_modules = [r"block_sparse_moe\.gate\."]
     _keys_to_ignore_on_load_unexpected = [r"^mtp\.", r"\.mtp\."]
     _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_flex_attn = False
     supports_gradient_checkpointing = True
+
+    def get_correct_attn_implementation(self, requested_attention: Optional[str], is_init_check: bool = False) -> str:
+        """transformers' choice, limited to what the dense layers serve (``dense_attention.check_served``)."""
+        implementation = super().get_correct_attn_implementation(requested_attention, is_init_check)
+        check_served(implementation)
+        return implementation
 
     def _init_weights(self, module):
         std = self.config.initializer_range
@@ -349,6 +364,9 @@ class MiniMaxM3PreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, MiniMaxM3RMSNorm):
             nn.init.zeros_(module.weight)
+        elif isinstance(module, MiniMaxM3Experts):
+            nn.init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            nn.init.normal_(module.down_proj, mean=0.0, std=std)
         elif isinstance(module, MiniMaxM3SparseMoeBlock):
             nn.init.zeros_(module.e_score_correction_bias)
         elif isinstance(module, MiniMaxM3RotaryEmbedding):
@@ -395,6 +413,7 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         inputs_embeds: Optional[torch.Tensor] = None,
         use_cache: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
+        output_router_logits: Optional[bool] = None,
         output_page_selections: bool = False,
         **kwargs,
     ) -> MiniMaxM3ModelOutput:
@@ -409,6 +428,8 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
+        if output_router_logits is None:
+            output_router_logits = self.config.output_router_logits
         cache = past_key_values if past_key_values is not None else MiniMaxM3Cache(self.config, batch)
         if cache.batch_size != batch:
             raise ValueError(f"past_key_values holds {cache.batch_size} sequences, the inputs have {batch}")
@@ -420,7 +441,7 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
             if position_ids is not None:  # all of them before the first chunk writes the cache
                 self._check_position_ids(position_ids, real, self._metadata(real, cache.lengths, query_lengths).positions)
             return self._forward_in_chunks(inputs_embeds, attention_mask, cache, use_cache, output_hidden_states,
-                                           output_page_selections, chunk)
+                                           output_router_logits, output_page_selections, chunk)
         cache.reserve(query_lengths)  # capacity only: the cached lengths stay until advance()
         metadata = self._metadata(real, cache.lengths, query_lengths)
         if position_ids is not None:
@@ -428,8 +449,7 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         packed = inputs_embeds[real]  # [T, hidden], sequences back to back
         cos, sin = self.rotary_emb(metadata.positions, max(metadata.kv_lengths))
 
-        selections = []
-        hidden_states = []
+        selections, hidden_states, router_logits = [], [], []
         hidden = packed
         for layer in self.layers:
             if output_hidden_states:
@@ -437,15 +457,18 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
             layer_device = next(layer.parameters()).device
             if hidden.device != layer_device:
                 hidden, metadata, cos, sin = self._to_device(hidden, metadata, cos, sin, layer_device)
-            hidden, selection = layer(hidden, cos, sin, cache, metadata, self.page_selector)
+            hidden, selection, layer_router_logits = layer(hidden, cos, sin, cache, metadata, self.page_selector)
             if output_page_selections and selection is not None:
                 selections.append(self._unpack(selection, real))
+            if output_router_logits and layer_router_logits is not None:
+                router_logits.append(self._unpack(layer_router_logits, real).flatten(0, 1))
         hidden = self.norm(hidden)
         cache.advance(query_lengths, new_tokens)
         last_hidden_state = self._unpack(hidden, real)
         return MiniMaxM3ModelOutput(
             last_hidden_state=last_hidden_state,
             hidden_states=tuple(hidden_states) + (last_hidden_state,) if output_hidden_states else None,
+            router_logits=tuple(router_logits) if output_router_logits else None,
             page_selections=tuple(selections) if output_page_selections else None,
             **{CACHE_FIELD: cache if use_cache else None},
         )
@@ -473,24 +496,30 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         return max(1, min(new_tokens, self.config.max_score_buffer_bytes // max(1, bytes_per_column)))
 
     def _forward_in_chunks(self, inputs_embeds, attention_mask, cache, use_cache, output_hidden_states,
-                           output_page_selections, chunk):
+                           output_router_logits, output_page_selections, chunk):
         total = inputs_embeds.shape[1]
         past_columns = 0 if attention_mask is None else attention_mask.shape[1] - total
-        hidden, layer_states, selections = [], [], []
+        batch = inputs_embeds.shape[0]
+        hidden, layer_states, router_logits, selections = [], [], [], []
         for begin in range(0, total, chunk):
             end = min(total, begin + chunk)
             mask = None if attention_mask is None else attention_mask[:, : past_columns + end]
             output = self(inputs_embeds=inputs_embeds[:, begin:end], attention_mask=mask, past_key_values=cache,
                           use_cache=True, output_hidden_states=output_hidden_states,
-                          output_page_selections=output_page_selections, return_dict=True)
+                          output_router_logits=output_router_logits, output_page_selections=output_page_selections,
+                          return_dict=True)
             hidden.append(output.last_hidden_state)
             if output_hidden_states:
                 layer_states.append(output.hidden_states)
+            if output_router_logits:
+                router_logits.append(output.router_logits)
             if output_page_selections:
                 selections.append(output.page_selections)
         return MiniMaxM3ModelOutput(
             last_hidden_state=torch.cat(hidden, dim=1),
             hidden_states=tuple(torch.cat(parts, dim=1) for parts in zip(*layer_states)) if output_hidden_states else None,
+            router_logits=tuple(torch.cat([part.view(batch, -1, part.shape[-1]) for part in parts], dim=1).flatten(0, 1)
+                                for parts in zip(*router_logits)) if output_router_logits else None,
             page_selections=tuple(torch.cat(parts, dim=1) for parts in zip(*selections)) if output_page_selections else None,
             **{CACHE_FIELD: cache if use_cache else None},
         )
@@ -629,6 +658,7 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
         use_cache: Optional[bool] = None,
         logits_to_keep: Union[int, torch.Tensor] = 0,
         output_hidden_states: Optional[bool] = None,
+        output_router_logits: Optional[bool] = None,
         output_page_selections: bool = False,
         **kwargs,
     ) -> MiniMaxM3CausalLMOutput:
@@ -646,6 +676,7 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
             position_ids=position_ids,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
+            output_router_logits=output_router_logits,
             output_page_selections=output_page_selections,
             return_dict=True,
         )
@@ -658,7 +689,16 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        aux_loss = None
+        if outputs.router_logits:
+            new_columns = outputs.router_logits[0].shape[0] // hidden.shape[0]
+            mask = None if attention_mask is None else attention_mask[:, -new_columns:]
+            aux_loss = load_balancing_loss_func(outputs.router_logits, self.config.num_local_experts,
+                                                self.config.num_experts_per_tok, mask)
+            if loss is not None:
+                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
         return MiniMaxM3CausalLMOutput(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, page_selections=outputs.page_selections,
+            loss=loss, aux_loss=aux_loss, logits=logits, hidden_states=outputs.hidden_states,
+            router_logits=outputs.router_logits, page_selections=outputs.page_selections,
             **{CACHE_FIELD: outputs[CACHE_FIELD] if CACHE_FIELD in outputs else None},
         )

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional
 
 import torch
-from torch.nn.attention.bias import causal_lower_right
 
 from indexer import BatchPrefillIndexerQ8KV8Wrapper, score_row_pitch
 
@@ -20,10 +19,7 @@ from .sparse_attention_cute import cute_sparse_attention_supported, sparse_atten
 __all__ = [
     "ForwardMetadata",
     "PageSelector",
-    "dense_attention",
     "dense_attention_page_mass",
-    "dense_attention_same_length_prefill",
-    "is_same_length_fresh_prefill",
     "recent_page_selection",
     "sparse_attention_masked",
     "sparse_attention_reference",
@@ -148,70 +144,6 @@ class PageSelector:
         if len(metadata.query_lengths) > 1 and max(metadata.query_lengths) > 1:
             return list(zip(metadata.query_lengths, metadata.kv_lengths))
         return None
-
-
-def dense_attention(q, keys, values, metadata: ForwardMetadata, *, scale: float) -> torch.Tensor:
-    """Causal GQA attention of each sequence's new tokens over its cached tokens (bottom-right aligned).
-
-    A fresh prefill (no cached prefix) uses SDPA's own causal mode; new tokens over a cached prefix use a
-    bottom-right causal bias on CUDA (SDPA's flash kernel, no mask tensor) and, elsewhere, query chunks with an
-    explicit ``[chunk, kv]`` mask, so no ``[S, S]`` tensor is ever built. Inputs are 4-D with the
-    KV heads repeated per query head (as transformers' ``repeat_kv``) so SDPA can pick its flash kernel.
-    Several fresh sequences of one length go through SDPA as one batch (``dense_attention_same_length_prefill``).
-    """
-    if is_same_length_fresh_prefill(metadata, batch_size=keys.shape[0]) and len(metadata.query_lengths) > 1:
-        return dense_attention_same_length_prefill(q, keys, values, scale=scale)
-    output = torch.empty_like(q)
-    group = q.shape[1] // keys.shape[2]
-    for sequence, (start, count, kv_length) in enumerate(zip(metadata.query_starts, metadata.query_lengths, metadata.kv_lengths)):
-        if count == 0:
-            continue
-        key = keys[sequence, :kv_length].transpose(0, 1).repeat_interleave(group, dim=0)[None]  # [1, H, kv, D]
-        value = values[sequence, :kv_length].transpose(0, 1).repeat_interleave(group, dim=0)[None]
-        if count == kv_length:
-            query = q[start : start + count].transpose(0, 1)[None]
-            attended = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale)
-            output[start : start + count] = attended[0].transpose(0, 1)
-            continue
-        if q.is_cuda:
-            # new tokens over a cached prefix: bottom-right causal, which SDPA runs on its flash kernel without a mask
-            query = q[start : start + count].transpose(0, 1)[None]
-            attended = torch.nn.functional.scaled_dot_product_attention(
-                query, key, value, attn_mask=causal_lower_right(count, kv_length), scale=scale
-            )
-            output[start : start + count] = attended[0].transpose(0, 1)
-            continue
-        chunk = max(1, _MASK_ELEMENTS // kv_length)
-        for begin in range(0, count, chunk):
-            end = min(count, begin + chunk)
-            query = q[start + begin : start + end].transpose(0, 1)[None]
-            positions = torch.arange(kv_length - count + begin, kv_length - count + end, device=q.device)
-            allowed = torch.arange(kv_length, device=q.device)[None, :] <= positions[:, None]
-            attended = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale)
-            output[start + begin : start + end] = attended[0].transpose(0, 1)
-    return output
-
-
-def is_same_length_fresh_prefill(metadata: ForwardMetadata, *, batch_size: int) -> bool:
-    """Every one of the ``batch_size`` sequences brings the same number of new tokens and none has cached ones (a
-    training batch): the packed tokens are then a ``[batch, length]`` grid."""
-    lengths = metadata.query_lengths
-    return (len(lengths) == batch_size and lengths[0] > 0 and len(set(lengths)) == 1
-            and list(metadata.kv_lengths) == list(lengths))
-
-
-def dense_attention_same_length_prefill(q, keys, values, *, scale: float) -> torch.Tensor:
-    """``dense_attention`` of a same-length fresh prefill in one SDPA call over the batch: per-sequence calls
-    cost a kernel launch each, which dominates a training step of many short sequences."""
-    batch = keys.shape[0]
-    length = q.shape[0] // batch
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    group = num_heads // keys.shape[2]
-    query = q.reshape(batch, length, num_heads, head_dim).transpose(1, 2)  # [B, H, L, D]
-    key = keys[:, :length].transpose(1, 2).repeat_interleave(group, dim=1)
-    value = values[:, :length].transpose(1, 2).repeat_interleave(group, dim=1)
-    attended = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale)
-    return attended.transpose(1, 2).reshape(batch * length, num_heads, head_dim)
 
 
 def dense_attention_page_mass(q, keys, positions, *, scale: float, page_size: int,

@@ -6,7 +6,8 @@ import torch
 import minimax_m3  # noqa: F401
 from eval.default_model import _initialise, tiny_config
 from minimax_m3 import MiniMaxM3ForCausalLM
-from minimax_m3.sparse_attention import ForwardMetadata, dense_attention, is_same_length_fresh_prefill
+from minimax_m3.dense_attention import dense_attention, is_same_length_fresh_prefill
+from minimax_m3.sparse_attention import ForwardMetadata
 
 
 def metadata(lengths, past=None):

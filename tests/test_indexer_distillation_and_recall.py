@@ -11,7 +11,8 @@ from eval.layer_inputs import capture_sparse_layer_inputs
 from eval.modes import attention_mode
 from eval.recall import indexer_recall
 from minimax_m3 import MiniMaxM3ForCausalLM
-from minimax_m3.sparse_attention import ForwardMetadata, dense_attention, dense_attention_page_mass
+from minimax_m3.dense_attention import dense_attention
+from minimax_m3.sparse_attention import ForwardMetadata, dense_attention_page_mass
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import minimax_m3  # noqa: F401  (registers the Auto classes)
 from minimax_m3 import MiniMaxM3Config, MiniMaxM3ForCausalLM
+from minimax_m3.conversion import checkpoint_state_dict
 from minimax_m3.modeling_minimax_m3 import (
     CACHE_FIELD,
     MiniMaxM3RMSNorm,
@@ -142,7 +143,8 @@ def test_router_selects_with_bias_and_weights_without_it():
         block.gate.weight.normal_()
         block.e_score_correction_bias.copy_(torch.tensor([0.0, 5.0, 0.0, 0.0]))  # forces expert 1 in
     x = torch.randn(6, config.hidden_size)
-    chosen, weights = block.route(x)
+    chosen, weights, logits = block.route(x)
+    torch.testing.assert_close(logits, x @ block.gate.weight.T)
     p = torch.sigmoid(x @ block.gate.weight.T)
     assert bool((chosen == 1).any(dim=1).all())
     expected = p.gather(1, chosen) / p.gather(1, chosen).sum(1, keepdim=True) * 2.0
@@ -150,23 +152,32 @@ def test_router_selects_with_bias_and_weights_without_it():
     assert block.gate.weight.dtype == torch.float32 and block.e_score_correction_bias.dtype == torch.float32
 
 
-@pytest.mark.parametrize("moe_implementation", ["sparse", "all_experts"])
-def test_moe_block_matches_per_token_expert_sum(moe_implementation):
-    config = tiny_config(moe_implementation=moe_implementation)
+def expert_reference(config, w1, w3, w2, x):
+    """One expert as the checkpoint's three matrices define it: ``w2 @ swiglu_oai(w1 @ x, w3 @ x)``."""
+    return w2 @ swiglu_oai(w1 @ x, w3 @ x, config.swiglu_alpha, config.swiglu_limit, config.swiglu_beta)
+
+
+@pytest.mark.parametrize("experts_implementation", ["eager", "grouped_mm", "batched_mm"])
+def test_moe_block_matches_per_token_expert_sum(experts_implementation):
+    config = tiny_config(experts_implementation=experts_implementation)
     torch.manual_seed(3)
     block = MiniMaxM3SparseMoeBlock(config)
     with torch.no_grad():
         block.gate.weight.normal_()
-    x = torch.randn(2, 5, config.hidden_size)
-    chosen, weights = block.route(x)
+        block.experts.gate_up_proj.normal_(std=0.2)
+        block.experts.down_proj.normal_(std=0.2)
+    x = torch.randn(10, config.hidden_size)
+    chosen, weights, logits = block.route(x)
+    width = config.intermediate_size
+    gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
     expected = torch.stack([
-        torch.stack([
-            sum(weights[b, t, k] * block.experts[int(chosen[b, t, k])](x[b, t]) for k in range(chosen.shape[-1]))
-            + block.shared_experts(x[b, t])
-            for t in range(x.shape[1])])
-        for b in range(x.shape[0])])
-    flat = x.flatten(0, 1) if moe_implementation == "sparse" else x  # the loop indexes tokens of a packed batch
-    torch.testing.assert_close(block(flat).reshape(x.shape), expected, atol=1e-5, rtol=1e-5)
+        sum(weights[t, k] * expert_reference(config, gate_up[e, :width], gate_up[e, width:], down[e], x[t])
+            for k, e in enumerate(chosen[t].tolist()))
+        + block.shared_experts(x[t])
+        for t in range(x.shape[0])])
+    output, router_logits = block(x)
+    torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(router_logits, logits)
 
 
 # ------------------------------------------------------------------ attention modes, cache, padding
@@ -341,7 +352,7 @@ def test_logits_to_keep():
 
 # ------------------------------------------------------------------ weights
 def test_parameter_names_are_the_checkpoint_names():
-    names = set(tiny_model().state_dict())
+    names = set(checkpoint_state_dict(tiny_model()))  # the routed experts are held packed, saved per expert
     for expected in (
         "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
         "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_norm.weight",
@@ -371,13 +382,13 @@ def test_save_and_load_round_trip_through_auto_classes(tmp_path):
 
 
 def test_dense_attention_query_chunks_give_the_same_result(monkeypatch):
-    from minimax_m3 import sparse_attention
+    from minimax_m3 import dense_attention
 
     model = tiny_model(attention_mode="dense")
     ids = torch.randint(3, 97, (1, 40))
     cache = model(ids[:, :10], use_cache=True)[CACHE_FIELD]
     reference = model(ids[:, 10:], past_key_values=cache).logits
-    monkeypatch.setattr(sparse_attention, "_MASK_ELEMENTS", 64)  # chunks of one or two queries
+    monkeypatch.setattr(dense_attention, "_MASK_ELEMENTS", 64)  # chunks of one or two queries
     cache = model(ids[:, :10], use_cache=True)[CACHE_FIELD]
     torch.testing.assert_close(model(ids[:, 10:], past_key_values=cache).logits, reference, atol=1e-5, rtol=0)
 

@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from minimax_m3 import MiniMaxM3Config, MiniMaxM3ForCausalLM, load_model
+from minimax_m3.conversion import checkpoint_state_dict
 from minimax_m3.loading import dequantize_mxfp8
 from test_minimax_m3 import tiny_config, tiny_model
 
@@ -17,7 +18,7 @@ def write_official(model, path, *, quantize=False):
     text_config = model.config.to_dict()
     text_config["model_type"] = "minimax_m3"
     config = {"model_type": "minimax_m3_vl", "text_config": text_config, "image_token_index": 5}
-    state = {f"language_model.{k}": v.contiguous() for k, v in model.state_dict().items()}
+    state = {f"language_model.{k}": v.contiguous() for k, v in checkpoint_state_dict(model).items()}
     if quantize:
         config["quantization_config"] = {"quant_method": "mxfp8", "activation_scheme": "dynamic", "weight_block_size": [1, 32]}
         for key in list(state):
@@ -64,7 +65,8 @@ def test_mxfp8_release_is_dequantised_at_load(tmp_path):
     with torch.no_grad():
         for name, parameter in reference.named_parameters():
             if name.endswith("proj.weight") or ".experts." in name:
-                parameter.copy_(dequantize_mxfp8(*quantize_mxfp8(parameter)))
+                rows = parameter.flatten(0, -2)  # packed experts: blocks of 32 along each row's inputs, as per expert
+                parameter.copy_(dequantize_mxfp8(*quantize_mxfp8(rows)).view_as(parameter))
     for name, parameter in loaded.named_parameters():
         expected = dict(reference.named_parameters())[name]
         if name.endswith(("block_sparse_moe.gate.weight",)):
@@ -150,8 +152,10 @@ def test_incomplete_or_mismatched_checkpoints_raise(tmp_path):
     model = tiny_model()
     write_official(model, tmp_path / "official")
     small = tiny_config(num_local_experts=2)
-    with pytest.raises(ValueError, match="which the config's model does not"):
+    with pytest.raises(ValueError, match="experts.2.w1.weight: expert 2 is outside num_local_experts = 2"):
         MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "official", config=small)
+    with pytest.raises(ValueError, match="which the config's model does not"):
+        MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "official", config=tiny_config(moe_layer_freq=[0, 0, 1]))
     index = json.loads((tmp_path / "official" / "model.safetensors.index.json").read_text())
     dropped = "language_model.model.layers.2.self_attn.o_proj.weight"
     shard = index["weight_map"].pop(dropped)
@@ -169,3 +173,18 @@ def test_disk_offload_is_refused_for_converted_checkpoints(tmp_path):
     write_official(tiny_model(), tmp_path / "official")
     with pytest.raises(ValueError, match="disk offload is not supported"):
         MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "official", device_map={"model.embed_tokens": "disk", "": "cpu"})
+
+
+def test_an_official_checkpoint_missing_one_expert_matrix_raises_naming_it(tmp_path):
+    write_official(tiny_model(), tmp_path / "official")
+    index = json.loads((tmp_path / "official" / "model.safetensors.index.json").read_text())
+    dropped = "language_model.model.layers.2.block_sparse_moe.experts.3.w3.weight"
+    shard = index["weight_map"].pop(dropped)
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(tmp_path / "official" / shard))
+    tensors.pop(dropped)
+    save_file(tensors, str(tmp_path / "official" / shard))
+    (tmp_path / "official" / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"lacks 1 expert tensors, e.g. \['model.layers.2.block_sparse_moe.experts.3.w3.weight'\]"):
+        MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "official")

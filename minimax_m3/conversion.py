@@ -1,0 +1,35 @@
+"""transformers' checkpoint conversion mapping for ``minimax_m3``: the checkpoint's per-expert ``w1`` / ``w3`` / ``w2``
+are packed into ``experts.gate_up_proj`` / ``experts.down_proj`` at load time, and unpacked by ``save_pretrained``
+(transformers reverses the mapping), so saved checkpoints keep the official names."""
+
+from __future__ import annotations
+
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+
+__all__ = ["EXPERTS_CONVERSIONS", "register", "checkpoint_state_dict"]
+
+EXPERTS_CONVERSIONS = [
+    WeightConverter(
+        source_patterns=[r"\.experts.*.w1.weight", r"\.experts.*.w3.weight"],
+        target_patterns=r"\.experts.gate_up_proj",
+        operations=[MergeModulelist(dim=0), Concatenate(dim=1)],
+    ),
+    WeightConverter(
+        source_patterns=r"\.experts.*.w2.weight",
+        target_patterns=r"\.experts.down_proj",
+        operations=[MergeModulelist(dim=0)],
+    ),
+]
+
+
+def register(model_type: str) -> None:
+    register_checkpoint_conversion_mapping(model_type, EXPERTS_CONVERSIONS, overwrite=True)
+
+
+def checkpoint_state_dict(model) -> dict:
+    """``model``'s tensors under the checkpoint's names (per-expert ``w1`` / ``w3`` / ``w2``), as ``save_pretrained``
+    writes them."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, dict(model.state_dict()))

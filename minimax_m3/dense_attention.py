@@ -1,0 +1,153 @@
+"""Dense causal attention of MiniMax-M3's full-attention layers (and of every layer in dense mode), dispatched through
+transformers' ``AttentionInterface`` by ``config._attn_implementation``.
+
+Both implementations served here are GQA-native: the 4 KV heads are never repeated to the 64 query heads (that
+repeat cost 2 x 3.2 ms per dense layer for a 2K-token chunk over 128K on the H200).
+
+* ``sdpa`` (default): ``scaled_dot_product_attention`` with ``enable_gqa``. A fresh prefill uses SDPA's own causal
+  mode; new tokens over a cached prefix use a bottom-right causal bias (no mask tensor on CUDA: SDPA's flash kernel
+  aligns it); a single new token attends to everything without a mask.
+* ``eager``: the explicit softmax in fp32, grouped by KV head (the reference).
+* A function a user registers with ``transformers.AttentionInterface.register(name, fn)`` is called with
+  transformers' signature: ``query [1, H, q, D]``, ``key`` / ``value [1, KV, kv, D]`` (not repeated), and for new
+  tokens over a cached prefix a boolean ``attention_mask [1, 1, q, kv]`` (True: attend), else ``None`` with
+  ``is_causal=True``.
+
+transformers' flash-attention, flex-attention and paged implementations expect its own mask and cache layouts, not
+this model's packed sequences and positional cache: they raise (``check_served``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.nn.attention.bias import causal_lower_right
+from transformers import AttentionInterface
+
+__all__ = ["ALL_ATTENTION_FUNCTIONS", "SERVED", "check_served", "dense_attention", "eager_attention_forward",
+           "sdpa_attention_forward", "is_same_length_fresh_prefill"]
+
+_MASK_ELEMENTS = 1 << 24
+SERVED = ("sdpa", "eager")
+"""The implementations this module provides; user-registered functions are served as well."""
+_UNSERVED_MARKERS = ("flash", "flex", "paged", "/")
+
+
+def check_served(implementation: str) -> None:
+    """Raise for an ``attn_implementation`` the model cannot run."""
+    if implementation in SERVED:
+        return
+    if any(marker in implementation for marker in _UNSERVED_MARKERS) or implementation not in ALL_ATTENTION_FUNCTIONS:
+        raise ValueError(
+            f"attn_implementation={implementation!r} is not served by MiniMax-M3: its dense layers run 'sdpa' (the "
+            f"default, GQA-native) or 'eager', or a function registered with transformers.AttentionInterface; the "
+            f"flash, flex and paged implementations expect transformers' own mask and cache layouts")
+
+
+def sdpa_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                           scaling: Optional[float] = None, is_causal: bool = True, **kwargs):
+    """GQA-native SDPA; ``is_causal`` aligns the ``q`` queries with the last ``q`` keys (bottom-right), as
+    flash-attention does. ``attention_mask`` (boolean, True: attend) replaces the causal rule when given."""
+    q_length, kv_length = query.shape[2], key.shape[2]
+    gqa = query.shape[1] != key.shape[1]
+    if attention_mask is not None:
+        mask, causal = attention_mask, False
+    elif not is_causal or q_length == 1:
+        mask, causal = None, False  # one query at the end sees every key
+    elif q_length == kv_length:
+        mask, causal = None, True
+    elif query.is_cuda:
+        mask, causal = causal_lower_right(q_length, kv_length), False
+    else:
+        return _chunked_masked_sdpa(query, key, value, scaling, gqa), None
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scaling, enable_gqa=gqa)
+    return output.transpose(1, 2), None
+
+
+def _chunked_masked_sdpa(query, key, value, scaling, gqa):
+    """Bottom-right causal SDPA with explicit ``[chunk, kv]`` masks (CPU), so no ``[q, kv]`` mask is built."""
+    q_length, kv_length = query.shape[2], key.shape[2]
+    outputs = []
+    chunk = max(1, _MASK_ELEMENTS // kv_length)
+    for begin in range(0, q_length, chunk):
+        end = min(q_length, begin + chunk)
+        positions = torch.arange(kv_length - q_length + begin, kv_length - q_length + end, device=query.device)
+        allowed = torch.arange(kv_length, device=query.device)[None, :] <= positions[:, None]
+        outputs.append(torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, begin:end], key, value, attn_mask=allowed, scale=scaling, enable_gqa=gqa))
+    return torch.cat(outputs, dim=2).transpose(1, 2)
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                            scaling: Optional[float] = None, is_causal: bool = True, **kwargs):
+    """The explicit softmax in fp32, per KV head over its group of query heads; the same mask rules as
+    ``sdpa_attention_forward``."""
+    batch, num_heads, q_length, head_dim = query.shape
+    num_kv_heads, kv_length = key.shape[1], key.shape[2]
+    scaling = head_dim ** -0.5 if scaling is None else scaling
+    grouped = query.float().view(batch, num_kv_heads, num_heads // num_kv_heads, q_length, head_dim)
+    logits = torch.einsum("bgrqd,bgkd->bgrqk", grouped, key.float()) * scaling
+    if attention_mask is not None:
+        logits = logits.masked_fill(~attention_mask[:, :, None], float("-inf"))  # [B, 1, q, kv] over the groups
+    elif is_causal:
+        positions = torch.arange(kv_length - q_length, kv_length, device=query.device)
+        future = torch.arange(kv_length, device=query.device)[None, :] > positions[:, None]
+        logits = logits.masked_fill(future, float("-inf"))
+    probabilities = torch.softmax(logits, dim=-1)
+    if dropout and module is not None and module.training:
+        probabilities = torch.nn.functional.dropout(probabilities, p=dropout)
+    output = torch.einsum("bgrqk,bgkd->bgrqd", probabilities, value.float()).to(query.dtype)
+    return output.reshape(batch, num_heads, q_length, head_dim).transpose(1, 2), probabilities.flatten(1, 2)
+
+
+ALL_ATTENTION_FUNCTIONS = AttentionInterface()
+"""transformers' attention interface with this model's ``sdpa`` and ``eager`` as local entries (other models keep
+transformers' functions); functions registered globally are found through it too."""
+ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
+ALL_ATTENTION_FUNCTIONS["eager"] = eager_attention_forward
+
+
+def dense_attention(q, keys, values, metadata, *, scale: float, attention=sdpa_attention_forward,
+                    module=None, dropout: float = 0.0) -> torch.Tensor:
+    """Causal GQA attention of each sequence's new tokens (packed ``q [T, H, D]``) over its cached tokens
+    (``keys`` / ``values [B, capacity, KV, D]``, bottom-right aligned), ``[T, H, D]``, by ``attention`` (an
+    ``ALL_ATTENTION_FUNCTIONS`` entry).
+
+    Several fresh sequences of one length (a training batch) go through one call over the batch."""
+    local = attention in (sdpa_attention_forward, eager_attention_forward)
+
+    def attend(query, key, value, past: int):
+        """``query [B, H, q, D]`` over ``key`` / ``value [B, KV, kv, D]``; the queries are the last q positions."""
+        q_length, kv_length = query.shape[2], key.shape[2]
+        mask = None
+        if past and not local and q_length > 1:
+            positions = torch.arange(kv_length - q_length, kv_length, device=query.device)
+            mask = (torch.arange(kv_length, device=query.device)[None, :] <= positions[:, None])[None, None]
+        output, _ = attention(module, query, key, value, mask, dropout=dropout, scaling=scale,
+                              is_causal=mask is None and (past == 0 or local))
+        return output  # [B, q, H, D]
+
+    if is_same_length_fresh_prefill(metadata, batch_size=keys.shape[0]) and len(metadata.query_lengths) > 1:
+        batch, length = keys.shape[0], metadata.query_lengths[0]
+        query = q.view(batch, length, *q.shape[1:]).transpose(1, 2)
+        output = attend(query, keys[:, :length].transpose(1, 2), values[:, :length].transpose(1, 2), 0)
+        return output.reshape(batch * length, *q.shape[1:])
+    output = torch.empty_like(q)
+    for sequence, (start, count, kv_length) in enumerate(zip(metadata.query_starts, metadata.query_lengths, metadata.kv_lengths)):
+        if count == 0:
+            continue
+        query = q[start : start + count].transpose(0, 1)[None]  # [1, H, count, D]
+        key = keys[sequence, :kv_length].transpose(0, 1)[None]  # [1, KV, kv, D]
+        value = values[sequence, :kv_length].transpose(0, 1)[None]
+        output[start : start + count] = attend(query, key, value, kv_length - count)[0]
+    return output
+
+
+def is_same_length_fresh_prefill(metadata, *, batch_size: int) -> bool:
+    """Every one of the ``batch_size`` sequences brings the same number of new tokens and none has cached ones (a
+    training batch): the packed tokens are then a ``[batch, length]`` grid."""
+    lengths = metadata.query_lengths
+    return (len(lengths) == batch_size and lengths[0] > 0 and len(set(lengths)) == 1
+            and list(metadata.kv_lengths) == list(lengths))
