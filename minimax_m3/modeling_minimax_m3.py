@@ -26,6 +26,8 @@ from indexer import score_row_pitch
 from .cache import MiniMaxM3Cache
 from .configuration_minimax_m3 import DENSE_MLP, SPARSE_ATTENTION, MiniMaxM3Config
 from .dense_attention import ALL_ATTENTION_FUNCTIONS, check_served, dense_attention, eager_attention_forward
+from .experts import EXPERTS_FUNCTIONS
+from .fusion import compiled, fuse
 from .sparse_attention import ForwardMetadata, PageSelector, get_sparse_attention_function, to_index_dtype
 
 __all__ = ["MiniMaxM3PreTrainedModel", "MiniMaxM3Model", "MiniMaxM3ForCausalLM"]
@@ -40,8 +42,8 @@ class MiniMaxM3RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _fuse(x):
-            return _compiled("gemma_rms_norm", gemma_rms_norm)(x, self.weight, self.eps)
+        if fuse(x):
+            return compiled("gemma_rms_norm", gemma_rms_norm)(x, self.weight, self.eps)
         return gemma_rms_norm(x, self.weight, self.eps)
 
 
@@ -64,31 +66,13 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 def norm_and_rope(norm: MiniMaxM3RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``apply_partial_rope(norm(x), cos, sin)``; on CUDA as one compiled (fused) kernel: the eager version makes ~10
     passes over the ``[T, 64, 128]`` queries (fp32 upcasts, ``cat``), 40 % of a 128K-token attention block."""
-    if _fuse(x):
-        return _compiled("norm_and_rope", _norm_and_rope_math)(x, norm.weight, norm.eps, cos, sin)
+    if fuse(x):
+        return compiled("norm_and_rope", _norm_and_rope_math)(x, norm.weight, norm.eps, cos, sin)
     return apply_partial_rope(norm(x), cos, sin)
 
 
 def _norm_and_rope_math(x, weight, eps: float, cos, sin):
     return apply_partial_rope(gemma_rms_norm(x, weight, eps), cos, sin)
-
-
-def _fuse(x: torch.Tensor) -> bool:
-    """Inference on CUDA runs the elementwise chains (fp32 norms, SwiGLU, the MoE's weighted sum) as compiled
-    kernels: eagerly each op is a pass over ``[T, hidden]`` in fp32 (together ~25 % of a 128K-token prefill's kernel
-    time; fused, the prefill takes 15 % less: measured on the H200). The math is the same functions;
-    training and CPU run them eagerly."""
-    return x.device.type == "cuda" and not torch.is_grad_enabled()
-
-
-_compiled_functions = {}
-
-
-def _compiled(name: str, function):
-    """``function`` compiled once per process (dynamic shapes, so new lengths do not recompile)."""
-    if name not in _compiled_functions:
-        _compiled_functions[name] = torch.compile(function, dynamic=True)
-    return _compiled_functions[name]
 
 
 def _rope_config(config: MiniMaxM3Config):
@@ -167,17 +151,17 @@ class MiniMaxM3MLP(nn.Module):
 
 
 def _swiglu(config: MiniMaxM3Config, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    activation = _compiled("swiglu_oai", swiglu_oai) if _fuse(gate) else swiglu_oai
+    activation = compiled("swiglu_oai", swiglu_oai) if fuse(gate) else swiglu_oai
     return activation(gate, up, config.swiglu_alpha, config.swiglu_limit, config.swiglu_beta)
 
 
-@use_experts_implementation
+@use_experts_implementation(experts_interface=EXPERTS_FUNCTIONS)
 class MiniMaxM3Experts(nn.Module):
     """The routed experts packed as transformers' experts modules are: ``gate_up_proj [E, 2I, H]`` (the checkpoint's
     ``w1`` rows, then its ``w3`` rows) and ``down_proj [E, H, I]`` (``w2``); the checkpoint's per-expert names are
     packed at load time (``conversion.py``) and unpacked on save. ``config.experts_implementation`` picks the forward:
-    ``grouped_mm`` (the default: one grouped GEMM per projection, no host synchronisation), ``batched_mm`` or
-    ``eager`` (this class's loop over the chosen experts, the reference)."""
+    ``grouped_mm`` (the default: one grouped GEMM per projection, no host synchronisation; ``experts.py``),
+    ``batched_mm`` or ``eager`` (this class's loop over the chosen experts, the reference)."""
 
     def __init__(self, config: MiniMaxM3Config):
         super().__init__()
@@ -446,25 +430,28 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         metadata = self._metadata(real, cache.lengths, query_lengths)
         if position_ids is not None:
             self._check_position_ids(position_ids, real, metadata.positions)
-        packed = inputs_embeds[real]  # [T, hidden], sequences back to back
+        # [T, hidden], sequences back to back; without a mask every column is real and packing is a view (boolean
+        # indexing would cost a pass and a host synchronisation)
+        all_real = attention_mask is None
+        packed = inputs_embeds.flatten(0, 1) if all_real else inputs_embeds[real]
         cos, sin = self.rotary_emb(metadata.positions, max(metadata.kv_lengths))
 
         selections, hidden_states, router_logits = [], [], []
         hidden = packed
         for layer in self.layers:
             if output_hidden_states:
-                hidden_states.append(self._unpack(hidden, real))
+                hidden_states.append(self._unpack(hidden, real, all_real))
             layer_device = next(layer.parameters()).device
             if hidden.device != layer_device:
                 hidden, metadata, cos, sin = self._to_device(hidden, metadata, cos, sin, layer_device)
             hidden, selection, layer_router_logits = layer(hidden, cos, sin, cache, metadata, self.page_selector)
             if output_page_selections and selection is not None:
-                selections.append(self._unpack(selection, real))
+                selections.append(self._unpack(selection.clone(), real, all_real))  # the selector reuses its buffer
             if output_router_logits and layer_router_logits is not None:
-                router_logits.append(self._unpack(layer_router_logits, real).flatten(0, 1))
+                router_logits.append(self._unpack(layer_router_logits, real, all_real).flatten(0, 1))
         hidden = self.norm(hidden)
         cache.advance(query_lengths, new_tokens)
-        last_hidden_state = self._unpack(hidden, real)
+        last_hidden_state = self._unpack(hidden, real, all_real)
         return MiniMaxM3ModelOutput(
             last_hidden_state=last_hidden_state,
             hidden_states=tuple(hidden_states) + (last_hidden_state,) if output_hidden_states else None,
@@ -546,13 +533,15 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         past = torch.tensor(past_lengths, device=device, dtype=torch.long)
         rank = torch.cumsum(real.long(), dim=1) - 1  # rank of each real token among its sequence's new tokens
         positions = (past[:, None] + rank)[real]
-        return ForwardMetadata(
+        metadata = ForwardMetadata(
             batch_index=batch_index,
             positions=positions,
             query_lengths=query_lengths,
             kv_lengths=[p + q for p, q in zip(past_lengths, query_lengths)],
             query_starts=starts,
         )
+        metadata.device_lengths(device)  # staged now, before any kernel is queued
+        return metadata
 
     @staticmethod
     def _to_device(hidden, metadata, cos, sin, device):
@@ -563,11 +552,15 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
             kv_lengths=metadata.kv_lengths,
             query_starts=metadata.query_starts,
             planned_devices=metadata.planned_devices,
+            staged_lengths=metadata.staged_lengths,
         )
         return hidden.to(device), moved, cos.to(device), sin.to(device)
 
     @staticmethod
-    def _unpack(packed: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    def _unpack(packed: torch.Tensor, real: torch.Tensor, all_real: bool = False) -> torch.Tensor:
+        """``[B, S, ...]`` of packed rows, zeros at padding; a view of ``packed`` when every column is real."""
+        if all_real:
+            return packed.view(*real.shape, *packed.shape[1:])
         out = packed.new_zeros(*real.shape, *packed.shape[1:])
         out[real.to(packed.device)] = packed
         return out

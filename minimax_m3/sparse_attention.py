@@ -44,10 +44,26 @@ class ForwardMetadata:
     kv_lengths: list  # tokens per sequence after this forward (query tokens included)
     query_starts: list  # packed offset of each sequence's first new token
     planned_devices: set = field(default_factory=set)
+    staged_lengths: dict = field(default_factory=dict)  # device -> int32 [query starts..., total, kv lengths...]
 
     @property
     def total_tokens(self) -> int:
         return sum(self.query_lengths)
+
+    def device_lengths(self, device):
+        """``(query starts with the total appended, kv lengths)`` as int32 tensors on ``device``. The model stages
+        them when the forward starts: copied from host lists later, mid-forward, the (pageable) copy would wait for
+        every kernel queued before it and leave the GPU idle while the host catches up (9 ms of a 32K prefill)."""
+        device = torch.device(device)
+        if device not in self.staged_lengths:
+            staged = next(iter(self.staged_lengths.values()), None)
+            if staged is None:
+                staged = torch.tensor(self.query_starts + [self.total_tokens] + list(self.kv_lengths),
+                                      dtype=torch.int32, device=device)
+            self.staged_lengths[device] = staged.to(device, non_blocking=True)
+        staged = self.staged_lengths[device]
+        count = len(self.query_lengths)
+        return staged[: count + 1], staged[count + 1 :]
 
 
 def to_index_dtype(x: torch.Tensor, index_dtype: str) -> torch.Tensor:
@@ -115,7 +131,7 @@ class PageSelector:
         return wrapper.run(index_q.contiguous(), layer_cache_pages)
 
     def _plan(self, wrapper, block_table, metadata: ForwardMetadata, device) -> None:
-        starts = metadata.query_starts + [metadata.total_tokens]
+        starts, kv_lengths = metadata.device_lengths(device)
         max_kv = max(metadata.kv_lengths)
         pages = -(-max_kv // self.config.index_block_size)
         pitch = score_row_pitch(pages)
@@ -126,8 +142,8 @@ class PageSelector:
             storage = torch.empty(capacity, dtype=torch.float32, device=device)
             self._score_storage[device] = storage
         wrapper.plan(
-            torch.tensor(starts, dtype=torch.int32, device=device),
-            torch.tensor(metadata.kv_lengths, dtype=torch.int32, device=device),
+            starts,
+            kv_lengths,
             block_table.to(device),
             total_q=metadata.total_tokens,
             max_seqlen_q=max(max(metadata.query_lengths), 1),
