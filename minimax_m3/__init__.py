@@ -7,7 +7,7 @@ Importing registers the ``minimax_m3`` model type with ``AutoConfig``, ``AutoMod
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from . import conversion
-from .cache import MiniMaxM3Cache
+from .cache import MiniMaxM3Cache, MiniMaxM3StaticCache
 from .configuration_minimax_m3 import MiniMaxM3Config
 from .loading import load_model
 from .modeling_minimax_m3 import MiniMaxM3ForCausalLM, MiniMaxM3Model, MiniMaxM3PreTrainedModel
@@ -17,4 +17,5 @@ AutoModel.register(MiniMaxM3Config, MiniMaxM3Model, exist_ok=True)
 AutoModelForCausalLM.register(MiniMaxM3Config, MiniMaxM3ForCausalLM, exist_ok=True)
 conversion.register(MiniMaxM3Config.model_type)
 
-__all__ = ["MiniMaxM3Config", "MiniMaxM3Model", "MiniMaxM3ForCausalLM", "MiniMaxM3PreTrainedModel", "MiniMaxM3Cache", "load_model"]
+__all__ = ["MiniMaxM3Config", "MiniMaxM3Model", "MiniMaxM3ForCausalLM", "MiniMaxM3PreTrainedModel", "MiniMaxM3Cache", "MiniMaxM3StaticCache",
+           "load_model"]

@@ -23,7 +23,7 @@ from transformers.utils import can_return_tuple
 
 from indexer import score_row_pitch
 
-from .cache import MiniMaxM3Cache
+from .cache import MiniMaxM3Cache, MiniMaxM3StaticCache
 from .configuration_minimax_m3 import DENSE_MLP, SPARSE_ATTENTION, MiniMaxM3Config
 from .dense_attention import ALL_ATTENTION_FUNCTIONS, check_served, dense_attention, eager_attention_forward
 from .experts import EXPERTS_FUNCTIONS
@@ -394,6 +394,7 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.LongTensor] = None,
         past_key_values: Optional[MiniMaxM3Cache] = None,
+        cache: Optional[MiniMaxM3Cache] = None,
         inputs_embeds: Optional[torch.Tensor] = None,
         use_cache: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
@@ -414,9 +415,13 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
             output_hidden_states = self.config.output_hidden_states
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
+        past_key_values = past_key_values if past_key_values is not None else cache  # transformers 5.2x's name
         cache = past_key_values if past_key_values is not None else MiniMaxM3Cache(self.config, batch)
-        if cache.batch_size != batch:
-            raise ValueError(f"past_key_values holds {cache.batch_size} sequences, the inputs have {batch}")
+        if not isinstance(cache, MiniMaxM3Cache):
+            raise TypeError(f"past_key_values must be a MiniMaxM3Cache or MiniMaxM3StaticCache (positional K/V and paged "
+                            f"index-K), got {type(cache).__name__}: build one with MiniMaxM3Cache(model.config) or "
+                            f"let generate() build it")
+        cache.bind(batch)
 
         real = self._new_token_mask(attention_mask, batch, new_tokens, inputs_embeds.device)
         query_lengths = real.sum(1).tolist()
@@ -605,7 +610,35 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        return False  # the model creates its own MiniMaxM3Cache (positional K/V + paged index-K)
+        return False  # transformers' DynamicCache is not this model's cache: _prepare_cache_for_generation builds it
+
+    CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
+    """``generate(cache_implementation=...)`` values: ``MiniMaxM3Cache`` (None, "dynamic") or
+    ``MiniMaxM3StaticCache`` ("static", sized ``max(max_length, generation_config.max_cache_len)``)."""
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length):
+        """generate()'s cache: the caller's (which must be one of ours), or a new ``MiniMaxM3Cache`` /
+        ``MiniMaxM3StaticCache`` by ``cache_implementation``; other implementations raise."""
+        given = model_kwargs.get(CACHE_FIELD)
+        implementation = generation_config.cache_implementation
+        if given is not None:
+            if implementation is not None:
+                raise ValueError(f"pass either {CACHE_FIELD}= (a cache) or cache_implementation=, not both")
+            if not isinstance(given, MiniMaxM3Cache):
+                raise TypeError(f"{CACHE_FIELD} must be a MiniMaxM3Cache or MiniMaxM3StaticCache, got {type(given).__name__}")
+            given._is_user_defined = True
+            return
+        if generation_config.use_cache is False:
+            return
+        if implementation not in self.CACHE_IMPLEMENTATIONS:
+            raise ValueError(f"cache_implementation={implementation!r} is not served by MiniMax-M3: use one of "
+                             f"{self.CACHE_IMPLEMENTATIONS} (its cache keeps K/V by position and the paged index-K)")
+        if implementation == "static":
+            capacity = max(max_cache_length, getattr(generation_config, "max_cache_len", None) or 0)
+            model_kwargs[CACHE_FIELD] = MiniMaxM3StaticCache(self.config, max_cache_len=capacity)
+        else:
+            model_kwargs[CACHE_FIELD] = MiniMaxM3Cache(self.config)
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, inputs_embeds=None, **kwargs):
         """The step's new columns and every other generate() keyword (e.g. ``output_page_selections``); positions
@@ -616,20 +649,20 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
         for derived in ("position_ids", "cache_position"):
             kwargs.pop(derived, None)
         inputs = {"attention_mask": attention_mask, "use_cache": kwargs.pop("use_cache", True)}
-        if isinstance(cache, MiniMaxM3Cache):
+        if cache is not None:
             inputs["past_key_values"] = cache
+        seen = getattr(cache, "columns_seen", 0)
+        if seen == 0:
+            inputs["inputs_embeds" if inputs_embeds is not None else "input_ids"] = (
+                inputs_embeds if inputs_embeds is not None else input_ids)
+        else:
             # the mask spans every column so far; a generation that started from inputs_embeds has ids only for
             # the tokens it generated, so the new columns are counted from the end
             columns = attention_mask.shape[1] if attention_mask is not None else input_ids.shape[1]
-            new_columns = columns - cache.columns_seen
+            new_columns = columns - seen
             if not 0 < new_columns <= input_ids.shape[1]:
-                raise ValueError(f"the cache has seen {cache.columns_seen} columns and the inputs have {columns}: "
-                                 "nothing new to run")
+                raise ValueError(f"the cache has seen {seen} columns and the inputs have {columns}: nothing new to run")
             inputs["input_ids"] = input_ids[:, input_ids.shape[1] - new_columns:]
-        elif inputs_embeds is not None:
-            inputs["inputs_embeds"] = inputs_embeds
-        else:
-            inputs["input_ids"] = input_ids
         inputs.update(kwargs)
         return inputs
 
@@ -646,6 +679,7 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.LongTensor] = None,
         past_key_values: Optional[MiniMaxM3Cache] = None,
+        cache: Optional[MiniMaxM3Cache] = None,
         inputs_embeds: Optional[torch.Tensor] = None,
         labels: Optional[torch.LongTensor] = None,
         use_cache: Optional[bool] = None,
@@ -655,12 +689,7 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
         output_page_selections: bool = False,
         **kwargs,
     ) -> MiniMaxM3CausalLMOutput:
-        past_key_values = past_key_values if past_key_values is not None else kwargs.pop("cache", None)
-        if past_key_values is not None and not isinstance(past_key_values, MiniMaxM3Cache):
-            # generate() may hand over transformers' empty default cache; this model keeps its own
-            if past_key_values.get_seq_length() != 0:
-                raise ValueError("past_key_values must be a MiniMaxM3Cache (or an empty transformers Cache)")
-            past_key_values = None
+        past_key_values = past_key_values if past_key_values is not None else cache  # transformers 5.2x's name
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
