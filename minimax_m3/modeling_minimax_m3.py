@@ -34,14 +34,22 @@ __all__ = ["MiniMaxM3PreTrainedModel", "MiniMaxM3Model", "MiniMaxM3ForCausalLM"]
 
 
 class MiniMaxM3RMSNorm(nn.Module):
-    """Gemma-style RMSNorm ``x_hat * (1 + w)`` in fp32; the weight stores the offset ``w`` (zeros at init)."""
+    """Gemma-style RMSNorm ``x_hat * (1 + w)`` in fp32; the weight stores the offset ``w`` (zeros at init). Given
+    ``cos`` / ``sin``, the normed heads are also rotated (``norm_and_rope``): inside the module's forward, so
+    offload hooks bring the weight."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None):
+        if cos is not None:
+            if fuse(x):
+                # one compiled kernel: the eager version makes ~10 passes over the [T, 64, 128] queries (fp32
+                # upcasts, cat), 40 % of a 128K-token attention block
+                return compiled("norm_and_rope", _norm_and_rope_math)(x, self.weight, self.eps, cos, sin)
+            return apply_partial_rope(gemma_rms_norm(x, self.weight, self.eps), cos, sin)
         if fuse(x):
             return compiled("gemma_rms_norm", gemma_rms_norm)(x, self.weight, self.eps)
         return gemma_rms_norm(x, self.weight, self.eps)
@@ -64,11 +72,8 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 
 
 def norm_and_rope(norm: MiniMaxM3RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``apply_partial_rope(norm(x), cos, sin)``; on CUDA as one compiled (fused) kernel: the eager version makes ~10
-    passes over the ``[T, 64, 128]`` queries (fp32 upcasts, ``cat``), 40 % of a 128K-token attention block."""
-    if fuse(x):
-        return compiled("norm_and_rope", _norm_and_rope_math)(x, norm.weight, norm.eps, cos, sin)
-    return apply_partial_rope(norm(x), cos, sin)
+    """``apply_partial_rope(norm(x), cos, sin)`` (fused on CUDA)."""
+    return norm(x, cos, sin)
 
 
 def _norm_and_rope_math(x, weight, eps: float, cos, sin):
@@ -202,7 +207,8 @@ class MiniMaxM3SparseMoeBlock(nn.Module):
     def route(self, x: torch.Tensor):
         """``(expert ids [T, k], weights [T, k] fp32, router logits [T, E] fp32)``; the router stays fp32 whatever
         the model dtype."""
-        logits = x.float() @ self.gate.weight.float().T
+        # through the module, so offload hooks bring its weight (fp32 as loaded: _keep_in_fp32_modules)
+        logits = self.gate(x.to(self.gate.weight.dtype)).float()
         probabilities = torch.sigmoid(logits)
         chosen = torch.topk(probabilities + self.e_score_correction_bias.float(), self.config.num_experts_per_tok, dim=-1).indices
         weights = probabilities.gather(-1, chosen)
@@ -446,9 +452,6 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         for layer in self.layers:
             if output_hidden_states:
                 hidden_states.append(self._unpack(hidden, real, all_real))
-            layer_device = next(layer.parameters()).device
-            if hidden.device != layer_device:
-                hidden, metadata, cos, sin = self._to_device(hidden, metadata, cos, sin, layer_device)
             hidden, selection, layer_router_logits = layer(hidden, cos, sin, cache, metadata, self.page_selector)
             if output_page_selections and selection is not None:
                 selections.append(self._unpack(selection.clone(), real, all_real))  # the selector reuses its buffer
@@ -547,19 +550,6 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         )
         metadata.device_lengths(device)  # staged now, before any kernel is queued
         return metadata
-
-    @staticmethod
-    def _to_device(hidden, metadata, cos, sin, device):
-        moved = ForwardMetadata(
-            batch_index=metadata.batch_index.to(device),
-            positions=metadata.positions.to(device),
-            query_lengths=metadata.query_lengths,
-            kv_lengths=metadata.kv_lengths,
-            query_starts=metadata.query_starts,
-            planned_devices=metadata.planned_devices,
-            staged_lengths=metadata.staged_lengths,
-        )
-        return hidden.to(device), moved, cos.to(device), sin.to(device)
 
     @staticmethod
     def _unpack(packed: torch.Tensor, real: torch.Tensor, all_real: bool = False) -> torch.Tensor:
@@ -707,7 +697,7 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) and logits_to_keep > 0 else (
             slice(None) if isinstance(logits_to_keep, int) else logits_to_keep
         )
-        logits = self.lm_head(hidden[:, keep].to(self.lm_head.weight.device)).float()
+        logits = self.lm_head(hidden[:, keep]).float()
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)

@@ -50,6 +50,21 @@ class ForwardMetadata:
     def total_tokens(self) -> int:
         return sum(self.query_lengths)
 
+    def to(self, device, non_blocking: bool = False) -> "ForwardMetadata":
+        """The same metadata with its tensors on ``device`` (accelerate's hooks call it when a layer of a
+        ``device_map`` runs elsewhere); the plan bookkeeping is shared."""
+        if self.batch_index.device == torch.device(device):
+            return self
+        return ForwardMetadata(
+            batch_index=self.batch_index.to(device, non_blocking=non_blocking),
+            positions=self.positions.to(device, non_blocking=non_blocking),
+            query_lengths=self.query_lengths,
+            kv_lengths=self.kv_lengths,
+            query_starts=self.query_starts,
+            planned_devices=self.planned_devices,
+            staged_lengths=self.staged_lengths,
+        )
+
     def device_lengths(self, device):
         """``(query starts with the total appended, kv lengths)`` as int32 tensors on ``device``. The model stages
         them when the forward starts: copied from host lists later, mid-forward, the (pageable) copy would wait for

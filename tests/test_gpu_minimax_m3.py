@@ -177,3 +177,16 @@ def test_dense_attention_over_a_cached_prefix_on_cuda_matches_the_masked_cpu_pat
     expected = dense_attention(q.float(), keys.float(), values.float(), metadata("cpu"), scale=128 ** -0.5)
     got = dense_attention(q.cuda(), keys.cuda(), values.cuda(), metadata("cuda"), scale=128 ** -0.5)
     torch.testing.assert_close(got.float().cpu(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_cpu_offload_onto_cuda_gives_the_cuda_logits():
+    """accelerate's cpu_offload (weights on the CPU, each module's moved to the GPU by its hook for its forward)
+    through the fused CUDA paths, which read their weights inside the modules' forwards."""
+    from accelerate import cpu_offload
+
+    reference = tiny_model(**M3_INDEX_GEOMETRY).cuda()
+    offloaded = tiny_model(**M3_INDEX_GEOMETRY)
+    cpu_offload(offloaded, execution_device="cuda")
+    ids = torch.randint(3, 97, (2, 300), device="cuda")
+    with torch.no_grad():
+        torch.testing.assert_close(offloaded(ids).logits, reference(ids).logits, atol=1e-4, rtol=1e-4)

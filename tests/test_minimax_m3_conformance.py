@@ -241,3 +241,35 @@ def test_a_tensor_in_two_shards_of_an_official_checkpoint_raises_naming_both_fil
     save_file(tensors, str(tmp_path / "official" / other))
     with pytest.raises(ValueError, match=f"tensor {key} is in both model-0000[12]-of-00002.safetensors and "):
         MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "official")
+
+
+# ------------------------------------------------------------------ offload
+def test_cpu_and_disk_offload_give_the_same_logits(tmp_path):
+    """accelerate's hooks move the weights and the layers' inputs (the forward never reads parameter devices): a
+    device_map with disk-offloaded layers, device_map="auto" under a memory cap, and cpu_offload / disk_offload."""
+    from accelerate import cpu_offload, disk_offload
+
+    model = tiny_model()
+    model.save_pretrained(tmp_path / "model")
+    ids = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    expected = model(ids, attention_mask=mask).logits
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "disk",
+                  "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    on_disk = MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map,
+                                                   offload_folder=str(tmp_path / "offload"))
+    assert on_disk.model.layers[1].self_attn.q_proj.weight.device.type == "meta"
+    torch.testing.assert_close(on_disk(ids, attention_mask=mask).logits, expected, atol=1e-5, rtol=1e-5)
+    capped = MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "model", device_map="auto", max_memory={"cpu": 60_000},
+                                                  offload_folder=str(tmp_path / "auto"), low_cpu_mem_usage=True)
+    assert any(p.device.type == "meta" for p in capped.parameters())
+    torch.testing.assert_close(capped(ids, attention_mask=mask).logits, expected, atol=1e-5, rtol=1e-5)
+    for offload in (lambda m: cpu_offload(m, execution_device="cpu"),
+                    lambda m: disk_offload(m, str(tmp_path / "disk"), execution_device="cpu")):
+        offloaded = tiny_model()
+        offload(offloaded)
+        torch.testing.assert_close(offloaded(ids, attention_mask=mask).logits, expected, atol=1e-5, rtol=1e-5)
+    generated = on_disk.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(generated, model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                                                 pad_token_id=0))
