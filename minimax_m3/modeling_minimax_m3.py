@@ -340,6 +340,16 @@ class MiniMaxM3PreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
     supports_gradient_checkpointing = True
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' ``save_pretrained``, plus an ``auto_map`` to this installed package (``remote_code``), so
+        the checkpoint also loads with ``trust_remote_code=True`` where ``minimax_m3`` was not imported."""
+        from .remote_code import write_remote_code
+
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            write_remote_code(str(save_directory))
+        return result
+
     def get_correct_attn_implementation(self, requested_attention: Optional[str], is_init_check: bool = False) -> str:
         """transformers' choice, limited to what the dense layers serve (``dense_attention.check_served``)."""
         implementation = super().get_correct_attn_implementation(requested_attention, is_init_check)
