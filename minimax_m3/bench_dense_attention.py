@@ -10,30 +10,15 @@ table.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
 from .dense_attention import sdpa_attention_forward
+from .timing import median_cuda_ms
 
 CASES = (("fresh 8K", 8192, 8192), ("2K chunk over 128K", 2048, 131072), ("2K chunk over 32K", 2048, 32768),
          ("1 token over 128K", 1, 131072))
-
-
-def _median_ms(fn, repeats: int) -> float:
-    fn()
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    times = []
-    for _ in range(repeats):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _kernels(fn) -> str:
@@ -97,7 +82,8 @@ def main(argv=None):
         error = (got[:, -rows:].float() - truth).abs().max().item()
         baseline_error = (baseline[:, -rows:].float() - truth).abs().max().item()
         difference = (got.float() - baseline.float()).abs().max().item()
-        ours_ms, repeated_ms = _median_ms(ours, args.repeats), _median_ms(repeated, args.repeats)
+        ours_ms = median_cuda_ms(ours, args.repeats, flush_bytes=256 << 20)
+        repeated_ms = median_cuda_ms(repeated, args.repeats, flush_bytes=256 << 20)
         print(f"| {name} | {error:.2e} | {baseline_error:.2e} | {difference:.2e} | {ours_ms:.3f} | {repeated_ms:.3f} | "
               f"{repeated_ms / ours_ms:.2f}x | {_kernels(ours)} |")
 

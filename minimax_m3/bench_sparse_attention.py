@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
 
 from .bench_prefill import clustered_selection
 from .dense_attention import dense_attention
+from .timing import median_cuda_ms
 from .sparse_attention import ForwardMetadata, sparse_attention_flex
 from .sparse_attention_cute import cute_sparse_attention_supported, page_unions, sparse_attention_cute
 
@@ -39,20 +39,6 @@ def random_selection(length: int, device) -> torch.Tensor:
     return out
 
 
-def _median_ms(fn, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def bench(length: int, repeats: int, flex_max_length: int) -> list:
     device = "cuda"
     q = torch.randn(length, HEADS, DIM, device=device, dtype=torch.bfloat16)
@@ -61,13 +47,13 @@ def bench(length: int, repeats: int, flex_max_length: int) -> list:
     metadata = ForwardMetadata(torch.zeros(length, dtype=torch.long, device=device), torch.arange(length, device=device),
                                [length], [length], [0])
     scale = DIM ** -0.5
-    dense_ms = _median_ms(lambda: dense_attention(q, keys, values, metadata, scale=scale), repeats)
+    dense_ms = median_cuda_ms(lambda: dense_attention(q, keys, values, metadata, scale=scale), repeats)
     rows = []
     for name, selection in (("clustered", clustered_selection(length, KV_HEADS, TOPK, PAGE, device)),
                             ("random", random_selection(length, device))):
         _, count = page_unions(selection, metadata.batch_index, length // PAGE, 128 // (HEADS // KV_HEADS))
-        cute_ms = _median_ms(lambda: sparse_attention_cute(q, keys, values, selection, metadata, scale=scale, page_size=PAGE), repeats)
-        flex_ms = (_median_ms(lambda: sparse_attention_flex(q, keys, values, selection, metadata, scale=scale, page_size=PAGE),
+        cute_ms = median_cuda_ms(lambda: sparse_attention_cute(q, keys, values, selection, metadata, scale=scale, page_size=PAGE), repeats)
+        flex_ms = (median_cuda_ms(lambda: sparse_attention_flex(q, keys, values, selection, metadata, scale=scale, page_size=PAGE),
                               max(1, repeats // 2)) if length <= flex_max_length else None)
         useful_tflop = length * HEADS * TOPK * PAGE * DIM * 4 / 1e12
         rows.append(dict(length=length, selection=name, mean_union_pages=count.float().mean().item(), cute_ms=cute_ms,

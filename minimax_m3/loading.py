@@ -167,11 +167,68 @@ def load_model(path: str, *, config=None, dtype: Optional[torch.dtype] = None, d
                                                 dtype=dtype, device_map=device_map)
 
 
-def load_converted(model_class, path: str, config, dtype: Optional[torch.dtype], device_map):
-    """Build the model on the meta device and stream the converted checkpoint straight to each tensor's device."""
+HUB_ARGUMENTS = ("cache_dir", "revision", "token", "local_files_only", "force_download", "proxies", "subfolder")
+"""``from_pretrained`` arguments that say where a Hub checkpoint comes from."""
+
+
+def converted_checkpoint_directory(name: str, kwargs: dict) -> Optional[str]:
+    """The local directory of a checkpoint in a converted layout (official, MXFP8, transformers-native), or None for
+    our own layout (transformers' loader reads it). A Hub id resolves through the Hugging Face cache the way
+    transformers resolves it (downloading what is missing unless offline), so a Hub id and a local directory take
+    the same path; the Hub arguments are taken out of ``kwargs``."""
+    from transformers.utils.hub import cached_file
+
+    if os.path.isdir(name):
+        directory = os.path.join(name, kwargs["subfolder"]) if kwargs.get("subfolder") else name
+    else:
+        hub = {key: kwargs[key] for key in HUB_ARGUMENTS if key in kwargs}
+        config_file = cached_file(name, "config.json", **hub)
+        directory = os.path.dirname(config_file)
+        if checkpoint_layout(directory) == "ours" and not is_mxfp8(directory):
+            return None
+        index = cached_file(name, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False, **hub)
+        if index is None:
+            cached_file(name, "model.safetensors", **hub)
+        else:
+            with open(index) as handle:
+                for shard in sorted(set(json.load(handle)["weight_map"].values())):
+                    cached_file(name, shard, **hub)
+        for key in HUB_ARGUMENTS:
+            kwargs.pop(key, None)
+        return directory
+    if checkpoint_layout(directory) == "ours" and not is_mxfp8(directory):
+        return None
+    kwargs.pop("subfolder", None)
+    return directory
+
+
+def load_converted(model_class, path: str, *, config=None, dtype=None, torch_dtype=None, device_map=None,
+                   max_memory=None, low_cpu_mem_usage=True, offload_folder=None, offload_state_dict=None,
+                   attn_implementation=None, experts_implementation=None, key_mapping=None, trust_remote_code=None,
+                   **config_overrides):
+    """Build the model on the meta device and stream the converted checkpoint straight to each tensor's device.
+
+    ``low_cpu_mem_usage`` is always the behaviour (about one shard in host memory); ``max_memory`` bounds
+    ``device_map="auto"``; disk offload raises (``offload_folder`` / ``offload_state_dict`` only serve it);
+    ``key_mapping`` renames checkpoint keys (regex -> replacement, before the layout's own conversion); other
+    keywords override config fields (e.g. ``index_dtype="float32"``) and an unknown one raises;
+    ``trust_remote_code`` is accepted and changes nothing (no code is loaded from the checkpoint)."""
     from accelerate import dispatch_model, infer_auto_device_map
     from accelerate.utils import set_module_tensor_to_device
 
+    from .configuration_minimax_m3 import MiniMaxM3Config
+
+    if config is None:
+        config, unused = MiniMaxM3Config.from_pretrained(path, return_unused_kwargs=True, **config_overrides)
+        if unused:
+            raise TypeError(f"unsupported arguments for a converted checkpoint: {sorted(unused)}")
+    elif config_overrides:
+        raise TypeError(f"pass config overrides {sorted(config_overrides)} or config=, not both")
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    if experts_implementation is not None:
+        config._experts_implementation = experts_implementation
+    dtype = dtype if dtype is not None else torch_dtype
     if isinstance(dtype, str) and dtype != "auto":
         dtype = getattr(torch, dtype)
     if dtype in (None, "auto"):
@@ -181,13 +238,17 @@ def load_converted(model_class, path: str, config, dtype: Optional[torch.dtype],
     if device_map is None:
         device_map = {"": "cpu"}
     elif device_map == "auto":
-        device_map = infer_auto_device_map(model, no_split_module_classes=model._no_split_modules, dtype=dtype)
+        device_map = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=model._no_split_modules,
+                                           dtype=dtype)
     elif isinstance(device_map, (str, torch.device, int)):
         device_map = {"": device_map}
     expected = set(model.state_dict())
     loaded = set()
     packer = _ExpertPacker(config)
-    for name, tensor in convert_to_model_names(iter_checkpoint_tensors(path), config):
+    tensors = iter_checkpoint_tensors(path)
+    if key_mapping:
+        tensors = ((_mapped_key(key, key_mapping), tensor) for key, tensor in tensors)
+    for name, tensor in convert_to_model_names(tensors, config):
         piece = _EXPERT_PIECE.match(name)
         if piece:
             experts = piece.group(1)
@@ -215,6 +276,12 @@ def load_converted(model_class, path: str, config, dtype: Optional[torch.dtype],
         model = dispatch_model(model, device_map=device_map)
     logger.info("loaded %s (%s layout) into MiniMaxM3ForCausalLM", path, checkpoint_layout(path))
     return model
+
+
+def _mapped_key(key: str, key_mapping: dict) -> str:
+    for pattern, replacement in key_mapping.items():
+        key = re.sub(pattern, replacement, key)
+    return key
 
 
 _EXPERT_PIECE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
@@ -271,5 +338,7 @@ def _device_of(name: str, device_map: dict):
     if device is None:
         raise ValueError(f"device_map does not place {name}")
     if device == "disk":
-        raise ValueError(f"device_map puts {name} on 'disk': disk offload is not supported for converted checkpoints")
+        raise ValueError(f"device_map puts {name} on 'disk': disk offload is not supported for converted checkpoints "
+                         f"(official, MXFP8, native layouts); save the loaded model with save_pretrained and load that "
+                         f"with an offload_folder, or give the device_map / max_memory room on CPU")
     return device

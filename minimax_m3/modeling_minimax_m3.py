@@ -586,15 +586,11 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
         from . import loading
 
         path = str(pretrained_model_name_or_path)
-        if os.path.isdir(path) and (loading.checkpoint_layout(path) != "ours" or loading.is_mxfp8(path)):
+        local = loading.converted_checkpoint_directory(path, kwargs)
+        if local is not None:
             if args:
                 raise TypeError("positional arguments after the path are not supported for converted checkpoints")
-            unsupported = set(kwargs) - {"config", "dtype", "torch_dtype", "device_map"}
-            if unsupported:
-                raise TypeError(f"unsupported arguments for a converted checkpoint: {sorted(unsupported)}")
-            config = kwargs.get("config") or MiniMaxM3Config.from_pretrained(path)
-            dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
-            return loading.load_converted(cls, path, config, dtype, kwargs.get("device_map"))
+            return loading.load_converted(cls, local, **kwargs)
         wants_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
         if info["missing_keys"]:

@@ -40,6 +40,18 @@ def write_official(model, path, *, quantize=False):
     (path / "config.json").write_text(json.dumps(config))
 
 
+def drop_official_tensor(path, key):
+    """Remove tensor ``key`` from an official-layout checkpoint (its shard and the index)."""
+    from safetensors.torch import load_file
+
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"].pop(key)
+    tensors = load_file(str(path / shard))
+    tensors.pop(key)
+    save_file(tensors, str(path / shard))
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
 def quantize_mxfp8(weight):
     """e4m3 values with one power-of-two scale per 1x32 input block (E8M0 as uint8)."""
     blocks = weight.float().view(weight.shape[0], -1, 32)
@@ -156,15 +168,7 @@ def test_incomplete_or_mismatched_checkpoints_raise(tmp_path):
         MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "official", config=small)
     with pytest.raises(ValueError, match="which the config's model does not"):
         MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "official", config=tiny_config(moe_layer_freq=[0, 0, 1]))
-    index = json.loads((tmp_path / "official" / "model.safetensors.index.json").read_text())
-    dropped = "language_model.model.layers.2.self_attn.o_proj.weight"
-    shard = index["weight_map"].pop(dropped)
-    from safetensors.torch import load_file
-
-    tensors = load_file(str(tmp_path / "official" / shard))
-    tensors.pop(dropped)
-    save_file(tensors, str(tmp_path / "official" / shard))
-    (tmp_path / "official" / "model.safetensors.index.json").write_text(json.dumps(index))
+    drop_official_tensor(tmp_path / "official", "language_model.model.layers.2.self_attn.o_proj.weight")
     with pytest.raises(ValueError, match="lacks 1 tensors"):
         MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "official")
 
@@ -177,14 +181,65 @@ def test_disk_offload_is_refused_for_converted_checkpoints(tmp_path):
 
 def test_an_official_checkpoint_missing_one_expert_matrix_raises_naming_it(tmp_path):
     write_official(tiny_model(), tmp_path / "official")
-    index = json.loads((tmp_path / "official" / "model.safetensors.index.json").read_text())
-    dropped = "language_model.model.layers.2.block_sparse_moe.experts.3.w3.weight"
-    shard = index["weight_map"].pop(dropped)
-    from safetensors.torch import load_file
-
-    tensors = load_file(str(tmp_path / "official" / shard))
-    tensors.pop(dropped)
-    save_file(tensors, str(tmp_path / "official" / shard))
-    (tmp_path / "official" / "model.safetensors.index.json").write_text(json.dumps(index))
+    drop_official_tensor(tmp_path / "official", "language_model.model.layers.2.block_sparse_moe.experts.3.w3.weight")
     with pytest.raises(ValueError, match=r"lacks 1 expert tensors, e.g. \['model.layers.2.block_sparse_moe.experts.3.w3.weight'\]"):
         MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "official")
+
+
+def test_a_hub_id_of_the_official_layout_loads_offline_from_the_hugging_face_cache(tmp_path):
+    """The snapshot layout of a populated Hugging Face cache, HF_HUB_OFFLINE=1, from_pretrained("org/name") in a
+    fresh process: the same logits as the local directory."""
+    import subprocess
+    import sys
+
+    model = tiny_model()
+    home = tmp_path / "hf-home"
+    repository = home / "hub" / "models--minimax-test--tiny-m3-official"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repository / "snapshots").mkdir(parents=True)
+    write_official(model, repository / "snapshots" / commit)
+    (repository / "refs").mkdir()
+    (repository / "refs" / "main").write_text(commit)
+    ids = torch.randint(3, 97, (1, 40), generator=torch.Generator().manual_seed(0))
+    torch.save(ids, tmp_path / "ids.pt")
+    script = (
+        "import sys, torch\nfrom minimax_m3 import MiniMaxM3ForCausalLM\n"
+        "model = MiniMaxM3ForCausalLM.from_pretrained('minimax-test/tiny-m3-official', dtype=torch.float32)\n"
+        f"torch.save(model(torch.load({str(tmp_path / 'ids.pt')!r})).logits, {str(tmp_path / 'logits.pt')!r})\n"
+    )
+    environment = dict(__import__("os").environ, HF_HOME=str(home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=environment, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert torch.equal(torch.load(tmp_path / "logits.pt"), model(ids).logits)
+
+
+def test_converted_layouts_take_the_usual_from_pretrained_arguments(tmp_path):
+    model = tiny_model(index_dtype="bfloat16")
+    write_official(model, tmp_path / "official")
+    ids = torch.randint(3, 97, (1, 40))
+    loaded = MiniMaxM3ForCausalLM.from_pretrained(
+        tmp_path / "official", dtype=torch.float32, index_dtype="float32", attention_mode="dense",
+        attn_implementation="eager", experts_implementation="eager", low_cpu_mem_usage=True, device_map="auto",
+        max_memory={"cpu": 10 << 30}, trust_remote_code=False)
+    assert loaded.config.index_dtype == "float32" and loaded.config.attention_mode == "dense"
+    assert loaded.config._attn_implementation == "eager" and loaded.config._experts_implementation == "eager"
+    dense = tiny_model(attention_mode="dense")
+    torch.testing.assert_close(loaded(ids).logits, dense(ids).logits, atol=1e-5, rtol=1e-5)
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    for file in (tmp_path / "official").iterdir():
+        text = file.read_text() if file.suffix == ".json" else None
+        if text is not None:
+            (renamed / file.name).write_text(text.replace("language_model.model.norm.", "language_model.model.final_norm."))
+    from safetensors.torch import load_file
+
+    for shard in (tmp_path / "official").glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        save_file({key.replace(".model.norm.", ".model.final_norm."): value for key, value in tensors.items()},
+                  str(renamed / shard.name))
+    remapped = MiniMaxM3ForCausalLM.from_pretrained(renamed, dtype=torch.float32,
+                                                    key_mapping={r"\.final_norm\.": ".norm."})
+    torch.testing.assert_close(remapped(ids).logits, model(ids).logits, atol=0, rtol=0)
+    with pytest.raises(TypeError, match="no_such_argument"):
+        MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "official", no_such_argument=1)
