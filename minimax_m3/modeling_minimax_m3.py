@@ -1,8 +1,10 @@
 """MiniMax-M3 text model: full attention + dense MLP on the first layers, MiniMax Sparse Attention + MoE after.
 
-Module and parameter names are the official checkpoint's (``model.layers.i.self_attn.index_q_proj``,
-``block_sparse_moe.experts.e.w1``, ...). Tokens are processed packed: the real (non-padding) new tokens of every
-sequence back to back, each with its absolute position, which is the layout of the indexer's contract.
+Module and parameter names are the official checkpoint's (``model.layers.i.self_attn.index_q_proj``, ...), except
+that the routed experts are held packed (``block_sparse_moe.experts.gate_up_proj``, transformers' experts layout):
+the checkpoint's ``block_sparse_moe.experts.e.w1`` / ``w3`` / ``w2`` are packed at load and written back on save.
+Tokens are processed packed: the real (non-padding) new tokens of every sequence back to back, each with its
+absolute position, which is the layout of the indexer's contract.
 """
 
 from __future__ import annotations
