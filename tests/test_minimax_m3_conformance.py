@@ -273,3 +273,17 @@ def test_cpu_and_disk_offload_give_the_same_logits(tmp_path):
     generated = on_disk.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert torch.equal(generated, model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
                                                  pad_token_id=0))
+
+
+def test_our_layout_takes_the_usual_from_pretrained_arguments(tmp_path):
+    model = tiny_model()
+    model.save_pretrained(tmp_path / "model")
+    loaded = MiniMaxM3ForCausalLM.from_pretrained(
+        tmp_path / "model", dtype=torch.float32, device_map="auto", max_memory={"cpu": 60_000},
+        offload_folder=str(tmp_path / "offload"), offload_state_dict=True, low_cpu_mem_usage=True,
+        attn_implementation="eager", experts_implementation="batched_mm", key_mapping={r"^model\.norm\.": "model.norm."},
+        index_dtype="float32", attention_mode="dense")
+    assert (loaded.config._attn_implementation, loaded.config._experts_implementation) == ("eager", "batched_mm")
+    assert loaded.config.attention_mode == "dense" and any(p.device.type == "meta" for p in loaded.parameters())
+    ids = torch.randint(3, 97, (1, 30))
+    torch.testing.assert_close(loaded(ids).logits, tiny_model(attention_mode="dense")(ids).logits, atol=1e-5, rtol=1e-5)
