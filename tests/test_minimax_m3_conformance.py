@@ -180,6 +180,24 @@ def test_generate_from_inputs_embeds_gives_the_tokens_of_generate_from_ids():
     assert torch.equal(from_embeds, from_ids[:, 30:])  # generate() returns only the new tokens for embeddings
 
 
+def test_a_generation_from_inputs_embeds_continues_with_its_cache():
+    """Continuing: the generated ids, the mask over every column so far, and the returned cache."""
+    from test_minimax_m3 import CACHE_FIELD
+
+    model = tiny_model()
+    ids = torch.randint(3, 97, (2, 30), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    whole = model.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=False, pad_token_id=0)
+    first = model.generate(inputs_embeds=model.get_input_embeddings()(ids), attention_mask=mask, max_new_tokens=3,
+                           do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    generated = first.sequences
+    full_mask = torch.cat([mask, torch.ones_like(generated)], dim=1)
+    continued = model.generate(generated, attention_mask=full_mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                               **{CACHE_FIELD: first[CACHE_FIELD]})
+    assert torch.equal(continued, whole[:, 30:])
+
+
 def test_generate_forwards_the_models_own_keywords(monkeypatch):
     model = tiny_model()
     seen = []
