@@ -5,9 +5,14 @@ are packed into ``experts.gate_up_proj`` / ``experts.down_proj`` at load time, a
 from __future__ import annotations
 
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+from transformers.core_model_loading import Concatenate, MergeModulelist, PrefixChange, WeightConverter
 
-__all__ = ["EXPERTS_CONVERSIONS", "register", "checkpoint_state_dict"]
+__all__ = ["OFFICIAL_CONVERSIONS", "EXPERTS_CONVERSIONS", "register", "checkpoint_state_dict"]
+
+OFFICIAL_CONVERSIONS = [PrefixChange(prefix_to_remove="language_model")]
+"""The official release's text keys sit under ``language_model.`` (its vision tower, projector and ``mtp.`` keys are
+ignored on load); transformers records the change only when a checkpoint used it, so only those models are saved
+with the prefix again."""
 
 EXPERTS_CONVERSIONS = [
     WeightConverter(
@@ -24,7 +29,7 @@ EXPERTS_CONVERSIONS = [
 
 
 def register(model_type: str) -> None:
-    register_checkpoint_conversion_mapping(model_type, EXPERTS_CONVERSIONS, overwrite=True)
+    register_checkpoint_conversion_mapping(model_type, OFFICIAL_CONVERSIONS + EXPERTS_CONVERSIONS, overwrite=True)
 
 
 def checkpoint_state_dict(model) -> dict:

@@ -2,7 +2,8 @@
 
 * this package's ``save_pretrained`` output (``model_type: minimax_m3``): transformers' loader, unchanged;
 * the official release: a ``minimax_m3_vl`` config with a ``text_config``, safetensors shards with an index and
-  keys prefixed ``language_model.`` (vision tower, projector and ``mtp.`` keys are skipped);
+  keys prefixed ``language_model.`` (vision tower, projector and ``mtp.`` keys are skipped): transformers' loader,
+  through the conversions registered in ``conversion.py`` (``load_converted`` reads it too, for MXFP8);
 * the MXFP8 release (``quantization_config.quant_method == "mxfp8"``): e4m3 weights with a uint8 E8M0
   ``weight_scale_inv`` per 1x32 input block, dequantised at load as ``W = fp8 * 2^(s - 127)``;
 * transformers' native ``MiniMaxM3VLForCausalLM.save_pretrained`` output (``minimax_m3_vl_text``): its
@@ -72,6 +73,25 @@ def iter_checkpoint_tensors(path: str) -> Iterator[Tuple[str, torch.Tensor]]:
                     raise ValueError(f"checkpoint at {path}: tensor {key} is in both {file_of[key]} and {name}")
                 file_of[key] = name
                 yield key, handle.get_tensor(key)
+
+
+def check_no_duplicate_tensors(path: str) -> None:
+    """Raise when a tensor is stored in two shards of a sharded checkpoint (only the headers are read): the index
+    names one file, and which copy a loader would take is an accident of the file order."""
+    from safetensors import safe_open
+
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.exists(index_path):
+        return
+    with open(index_path) as handle:
+        files = sorted(set(json.load(handle)["weight_map"].values()))
+    file_of: Dict[str, str] = {}
+    for name in files:
+        with safe_open(os.path.join(path, name), framework="pt") as handle:
+            for key in handle.keys():
+                if key in file_of:
+                    raise ValueError(f"checkpoint at {path}: tensor {key} is in both {file_of[key]} and {name}")
+                file_of[key] = name
 
 
 def dequantize_mxfp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
@@ -167,6 +187,12 @@ def load_model(path: str, *, config=None, dtype: Optional[torch.dtype] = None, d
                                                 dtype=dtype, device_map=device_map)
 
 
+def _transformers_loads(directory: str) -> bool:
+    """Our own layout and the official one (through the registered conversion mapping) load with transformers'
+    loader; MXFP8 and transformers' native layout with ``load_converted``."""
+    return checkpoint_layout(directory) in ("ours", "official") and not is_mxfp8(directory)
+
+
 HUB_ARGUMENTS = ("cache_dir", "revision", "token", "local_files_only", "force_download", "proxies", "subfolder")
 """``from_pretrained`` arguments that say where a Hub checkpoint comes from."""
 
@@ -184,7 +210,7 @@ def converted_checkpoint_directory(name: str, kwargs: dict) -> Optional[str]:
         hub = {key: kwargs[key] for key in HUB_ARGUMENTS if key in kwargs}
         config_file = cached_file(name, "config.json", **hub)
         directory = os.path.dirname(config_file)
-        if checkpoint_layout(directory) == "ours" and not is_mxfp8(directory):
+        if _transformers_loads(directory):
             return None
         index = cached_file(name, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False, **hub)
         if index is None:
@@ -196,7 +222,7 @@ def converted_checkpoint_directory(name: str, kwargs: dict) -> Optional[str]:
         for key in HUB_ARGUMENTS:
             kwargs.pop(key, None)
         return directory
-    if checkpoint_layout(directory) == "ours" and not is_mxfp8(directory):
+    if _transformers_loads(directory):
         return None
     kwargs.pop("subfolder", None)
     return directory

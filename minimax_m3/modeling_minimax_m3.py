@@ -336,7 +336,9 @@ class MiniMaxM3PreTrainedModel(PreTrainedModel):
     _no_split_modules = ["MiniMaxM3DecoderLayer"]
     # the router only (a regex over parameter names): a bare "gate" would also keep every gate_proj in fp32
     _keep_in_fp32_modules = [r"block_sparse_moe\.gate\."]
-    _keys_to_ignore_on_load_unexpected = [r"^mtp\.", r"\.mtp\."]
+    # the official release's vision tower, projector and multi-token-prediction layers
+    _keys_to_ignore_on_load_unexpected = [r"^mtp\.", r"\.mtp\.", r"^vision_tower\.", r"^multi_modal_projector\.",
+                                          r"^patch_merge_mlp\."]
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
@@ -584,7 +586,8 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """Also loads the official (``minimax_m3_vl``), MXFP8 and transformers-native layouts (see ``loading``)."""
+        """Also loads the official (``minimax_m3_vl``: transformers' loader through the registered conversion
+        mapping), MXFP8 and transformers-native layouts (``loading.load_converted``)."""
         from . import loading
 
         path = str(pretrained_model_name_or_path)
@@ -593,13 +596,19 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
             if args:
                 raise TypeError("positional arguments after the path are not supported for converted checkpoints")
             return loading.load_converted(cls, local, **kwargs)
+        if os.path.isdir(path):
+            loading.check_no_duplicate_tensors(path)
         wants_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
-        if info["missing_keys"]:
-            # transformers would initialise them at random and only report it
-            missing = sorted(info["missing_keys"])
-            raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors of the model: {missing[:5]}"
-                             + (" ..." if len(missing) > 5 else ""))
+        # transformers would initialise these at random (or drop them) and only report it
+        problems = (("missing_keys", "lacks {} tensors of the model"),
+                    ("mismatched_keys", "holds {} tensors whose shapes the config's model does not have"),
+                    ("unexpected_keys", "has {} tensors which the config's model does not"))
+        for field, message in problems:
+            keys = sorted(str(key) for key in info.get(field) or [])
+            if keys:
+                raise ValueError(f"checkpoint {path} {message.format(len(keys))}: {keys[:5]}"
+                                 + (" ..." if len(keys) > 5 else ""))
         return (model, info) if wants_info else model
 
     def reset_non_persistent_buffers(self) -> None:
