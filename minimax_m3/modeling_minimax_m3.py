@@ -334,8 +334,9 @@ class MiniMaxM3PreTrainedModel(PreTrainedModel):
     config_class = MiniMaxM3Config
     base_model_prefix = "model"
     _no_split_modules = ["MiniMaxM3DecoderLayer"]
-    # the router only (a regex over parameter names): a bare "gate" would also keep every gate_proj in fp32
-    _keep_in_fp32_modules = [r"block_sparse_moe\.gate\."]
+    # the router only, by its module name (matched against parameter names): a bare "gate" would also keep every
+    # gate_proj in fp32
+    _keep_in_fp32_modules = ["block_sparse_moe.gate"]
     # the official release's vision tower, projector and multi-token-prediction layers
     _keys_to_ignore_on_load_unexpected = [r"^mtp\.", r"\.mtp\.", r"^vision_tower\.", r"^multi_modal_projector\.",
                                           r"^patch_merge_mlp\."]
@@ -427,6 +428,10 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         raise: pass such sequences as rows of a batch instead."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        attentions = kwargs.get("output_attentions")
+        if attentions or (attentions is None and self.config.output_attentions):
+            raise ValueError("output_attentions is not supported: the sparse layers never form attention weights and "
+                             "the dense layers run SDPA; output_page_selections=True returns the pages each token read")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         batch, new_tokens = inputs_embeds.shape[:2]
@@ -590,6 +595,8 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
         mapping), MXFP8 and transformers-native layouts (``loading.load_converted``)."""
         from . import loading
 
+        if pretrained_model_name_or_path is None:  # a config and a state_dict: nothing to convert
+            return super().from_pretrained(None, *args, **kwargs)
         path = str(pretrained_model_name_or_path)
         local = loading.converted_checkpoint_directory(path, kwargs)
         if local is not None:
@@ -707,6 +714,7 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
             output_hidden_states=output_hidden_states,
             output_router_logits=output_router_logits,
             output_page_selections=output_page_selections,
+            output_attentions=kwargs.pop("output_attentions", None),
             return_dict=True,
         )
         hidden = outputs.last_hidden_state

@@ -305,3 +305,16 @@ def test_our_layout_takes_the_usual_from_pretrained_arguments(tmp_path):
     assert loaded.config.attention_mode == "dense" and any(p.device.type == "meta" for p in loaded.parameters())
     ids = torch.randint(3, 97, (1, 30))
     torch.testing.assert_close(loaded(ids).logits, tiny_model(attention_mode="dense")(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_what_transformers_generic_tests_found(tmp_path):
+    """from_pretrained(None, config=, state_dict=) builds the model; the fp32 list names the router module; attention
+    weights, which the model never forms, are refused instead of silently missing."""
+    model = tiny_model()
+    rebuilt = MiniMaxM3ForCausalLM.from_pretrained(None, config=model.config, state_dict=model.state_dict())
+    ids = torch.randint(3, 97, (1, 30))
+    assert torch.equal(rebuilt(ids).logits, model(ids).logits)
+    names = {name for name, _ in model.named_modules()}
+    assert all(any(name.endswith(pattern) for name in names) for pattern in model._keep_in_fp32_modules)
+    with pytest.raises(ValueError, match="output_attentions is not supported"):
+        model(ids, output_attentions=True)
