@@ -25,7 +25,8 @@ from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
-__all__ = ["checkpoint_layout", "iter_checkpoint_tensors", "convert_to_model_names", "dequantize_mxfp8", "load_model"]
+__all__ = ["checkpoint_layout", "check_no_duplicate_tensors", "iter_checkpoint_tensors", "convert_to_model_names",
+           "dequantize_mxfp8", "load_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,43 +56,38 @@ def is_mxfp8(path: str) -> bool:
     return quantization.get("quant_method") == "mxfp8"
 
 
-def iter_checkpoint_tensors(path: str) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint's safetensors files (sharded with an index, or a single file)."""
-    from safetensors import safe_open
-
+def _shard_files(path: str) -> list:
+    """The checkpoint's safetensors files: the index's shards, or the single ``model.safetensors``."""
     index_path = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index_path):
-        with open(index_path) as handle:
-            files = sorted(set(json.load(handle)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    file_of: Dict[str, str] = {}
-    for name in files:
-        with safe_open(os.path.join(path, name), framework="pt") as handle:
-            for key in handle.keys():
-                if key in file_of:  # which copy a loader keeps would be an accident of the file order
-                    raise ValueError(f"checkpoint at {path}: tensor {key} is in both {file_of[key]} and {name}")
-                file_of[key] = name
-                yield key, handle.get_tensor(key)
+    if not os.path.exists(index_path):
+        return ["model.safetensors"]
+    with open(index_path) as handle:
+        return sorted(set(json.load(handle)["weight_map"].values()))
 
 
 def check_no_duplicate_tensors(path: str) -> None:
-    """Raise when a tensor is stored in two shards of a sharded checkpoint (only the headers are read): the index
-    names one file, and which copy a loader would take is an accident of the file order."""
+    """Raise when a tensor is stored in two shards of the checkpoint (only the headers are read): an index names one
+    file, and which copy a loader would take is an accident of the file order."""
     from safetensors import safe_open
 
-    index_path = os.path.join(path, "model.safetensors.index.json")
-    if not os.path.exists(index_path):
-        return
-    with open(index_path) as handle:
-        files = sorted(set(json.load(handle)["weight_map"].values()))
     file_of: Dict[str, str] = {}
-    for name in files:
+    for name in _shard_files(path):
         with safe_open(os.path.join(path, name), framework="pt") as handle:
             for key in handle.keys():
                 if key in file_of:
                     raise ValueError(f"checkpoint at {path}: tensor {key} is in both {file_of[key]} and {name}")
                 file_of[key] = name
+
+
+def iter_checkpoint_tensors(path: str) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint's safetensors files, after checking that none is stored twice."""
+    from safetensors import safe_open
+
+    check_no_duplicate_tensors(path)
+    for name in _shard_files(path):
+        with safe_open(os.path.join(path, name), framework="pt") as handle:
+            for key in handle.keys():
+                yield key, handle.get_tensor(key)
 
 
 def dequantize_mxfp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:

@@ -307,7 +307,7 @@ def test_our_layout_takes_the_usual_from_pretrained_arguments(tmp_path):
     torch.testing.assert_close(loaded(ids).logits, tiny_model(attention_mode="dense")(ids).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_what_transformers_generic_tests_found(tmp_path):
+def test_a_state_dict_load_the_fp32_module_names_and_a_request_for_attention_weights(tmp_path):
     """from_pretrained(None, config=, state_dict=) builds the model; the fp32 list names the router module; attention
     weights, which the model never forms, are refused instead of silently missing."""
     model = tiny_model()
