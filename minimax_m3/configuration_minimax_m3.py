@@ -43,6 +43,7 @@ _ATTENTION_MODES = ("sparse", "dense")
 _LEGACY_MOE_IMPLEMENTATIONS = ("sparse", "all_experts")
 _PAGE_SELECTIONS = ("indexer", "recent")
 _COMPOSITE_TYPES = ("minimax_m3_vl",)
+_NATIVE_TYPES = ("minimax_m3_vl_text",)
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 """``rope_parameters["rope_type"]`` values the model serves (transformers' own RoPE initialisation functions compute
 all but ``default``); another type raises."""
@@ -293,18 +294,39 @@ class MiniMaxM3Config(PreTrainedConfig):
         return output
 
     @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        """transformers' reading, with the official composite config folded into its text config (see
+        ``text_config_dict``) before transformers would pick the bare ``text_config`` and drop the rest."""
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        config_dict = text_config_dict(config_dict)
+        if config_dict.get("model_type") in _NATIVE_TYPES:  # a layout this config reads (transformers would warn)
+            config_dict["model_type"] = cls.model_type
+        return config_dict, kwargs
+
+    @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
         """Also accepts the official composite config (``minimax_m3_vl`` with a ``text_config``)."""
-        if config_dict.get("model_type") in _COMPOSITE_TYPES or "text_config" in config_dict:
-            text = dict(config_dict.get("text_config") or {})
-            text.pop("model_type", None)
-            for key in ("tie_word_embeddings", "dtype", "torch_dtype"):
-                if key in config_dict and key not in text:
-                    text[key] = config_dict[key]
-            if "quantization_config" in config_dict and "quantization_config" not in text:
-                text["quantization_config"] = config_dict["quantization_config"]
-            config_dict = text
-        else:
-            config_dict = dict(config_dict)
-            config_dict.pop("model_type", None)
+        config_dict = text_config_dict(config_dict)
+        config_dict.pop("model_type", None)
         return super().from_dict(config_dict, **kwargs)
+
+
+def text_config_dict(config_dict: dict) -> dict:
+    """The text model's config from any of the layouts: the official composite's ``text_config`` with the top-level
+    ``tie_word_embeddings``, ``dtype`` and ``quantization_config`` it lacks, or a flat config as it is.
+
+    An MXFP8 ``quantization_config`` gets ``dequantize: True`` unless it says otherwise: transformers' FineGrainedFP8
+    quantizer then dequantises the weights to the requested dtype at load, which is what this model runs."""
+    if config_dict.get("model_type") in _COMPOSITE_TYPES or "text_config" in config_dict:
+        text = dict(config_dict.get("text_config") or {})
+        text.pop("model_type", None)
+        for key in ("tie_word_embeddings", "dtype", "torch_dtype", "quantization_config"):
+            if key in config_dict and key not in text:
+                text[key] = config_dict[key]
+        config_dict = text
+    else:
+        config_dict = dict(config_dict)
+    quantization = config_dict.get("quantization_config")
+    if isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp8":
+        config_dict["quantization_config"] = {"dequantize": True, **quantization}
+    return config_dict

@@ -9,6 +9,7 @@ absolute position, which is the layout of the indexer's contract.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from dataclasses import fields as dataclass_fields
@@ -16,12 +17,13 @@ from typing import Optional, Union
 
 import torch
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers.integrations import use_experts_implementation
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.models.minimax_m2.modeling_minimax_m2 import load_balancing_loss_func
 from transformers.utils import can_return_tuple
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from indexer import score_row_pitch
 
@@ -31,6 +33,8 @@ from .dense_attention import ALL_ATTENTION_FUNCTIONS, check_served, dense_attent
 from .experts import EXPERTS_FUNCTIONS
 from .fusion import compiled, fuse
 from .sparse_attention import ForwardMetadata, PageSelector, get_sparse_attention_function, to_index_dtype
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["MiniMaxM3PreTrainedModel", "MiniMaxM3Model", "MiniMaxM3ForCausalLM"]
 
@@ -340,6 +344,12 @@ class MiniMaxM3PreTrainedModel(PreTrainedModel):
     # the official release's vision tower, projector and multi-token-prediction layers
     _keys_to_ignore_on_load_unexpected = [r"^mtp\.", r"\.mtp\.", r"^vision_tower\.", r"^multi_modal_projector\.",
                                           r"^patch_merge_mlp\."]
+    # recorded by transformers' capture_outputs on the packed layers (MiniMaxM3Model._forward_packed): the first
+    # layer's input, then every layer's output; and each MoE block's router logits
+    _can_record_outputs = {
+        "hidden_states": OutputRecorder(MiniMaxM3DecoderLayer, index=0),
+        "router_logits": OutputRecorder(MiniMaxM3SparseMoeBlock, index=1),
+    }
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
@@ -465,27 +475,37 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         all_real = attention_mask is None
         packed = inputs_embeds.flatten(0, 1) if all_real else inputs_embeds[real]
         cos, sin = self.rotary_emb(metadata.positions, max(metadata.kv_lengths))
-
-        selections, hidden_states, router_logits = [], [], []
-        hidden = packed
-        for layer in self.layers:
-            if output_hidden_states:
-                hidden_states.append(self._unpack(hidden, real, all_real))
-            hidden, selection, layer_router_logits = layer(hidden, cos, sin, cache, metadata, self.page_selector)
-            if output_page_selections and selection is not None:
-                selections.append(self._unpack(selection.clone(), real, all_real))  # the selector reuses its buffer
-            if output_router_logits and layer_router_logits is not None:
-                router_logits.append(self._unpack(layer_router_logits, real, all_real).flatten(0, 1))
-        hidden = self.norm(hidden)
+        packed_output = self._forward_packed(packed, cos, sin, cache, metadata, output_page_selections,
+                                             output_hidden_states=output_hidden_states,
+                                             output_router_logits=output_router_logits, return_dict=True)
         cache.advance(query_lengths, new_tokens)
-        last_hidden_state = self._unpack(hidden, real, all_real)
+
+        def unpack(tensors):
+            return None if tensors is None else tuple(
+                None if tensor is None else self._unpack(tensor, real, all_real) for tensor in tensors)
+
+        router_logits = unpack(packed_output.router_logits)
         return MiniMaxM3ModelOutput(
-            last_hidden_state=last_hidden_state,
-            hidden_states=tuple(hidden_states) + (last_hidden_state,) if output_hidden_states else None,
-            router_logits=tuple(router_logits) if output_router_logits else None,
-            page_selections=tuple(selections) if output_page_selections else None,
+            last_hidden_state=self._unpack(packed_output.last_hidden_state, real, all_real),
+            hidden_states=unpack(packed_output.hidden_states),
+            # transformers' layout for the load-balancing loss: [B * S, E] per layer, padding masked by the caller
+            router_logits=None if router_logits is None else tuple(logits.flatten(0, 1) for logits in router_logits),
+            page_selections=unpack(packed_output.page_selections),
             **{CACHE_FIELD: cache if use_cache else None},
         )
+
+    @capture_outputs
+    def _forward_packed(self, hidden, cos, sin, cache, metadata, output_page_selections=False, **kwargs):
+        """The layers over packed tokens ``[T, hidden]``: ``last_hidden_state`` and ``page_selections`` packed, and
+        the ``hidden_states`` / ``router_logits`` that transformers' ``capture_outputs`` records from the layers
+        (``_can_record_outputs``), packed too; ``forward`` unpacks them all to ``[B, S, ...]``."""
+        selections = []
+        for layer in self.layers:
+            hidden, selection, _ = layer(hidden, cos, sin, cache, metadata, self.page_selector)
+            if output_page_selections and selection is not None:
+                selections.append(selection.clone())  # the selector reuses its buffer
+        return MiniMaxM3ModelOutput(last_hidden_state=self.norm(hidden),
+                                    page_selections=tuple(selections) if output_page_selections else None)
 
     @staticmethod
     def _check_position_ids(position_ids, real, positions) -> None:
@@ -591,20 +611,21 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """Also loads the official (``minimax_m3_vl``: transformers' loader through the registered conversion
-        mapping), MXFP8 and transformers-native layouts (``loading.load_converted``)."""
+        """transformers' ``from_pretrained`` for every layout (``loading``), raising where transformers would only
+        report: a tensor stored twice, missing, unexpected or of another shape."""
         from . import loading
 
         if pretrained_model_name_or_path is None:  # a config and a state_dict: nothing to convert
             return super().from_pretrained(None, *args, **kwargs)
         path = str(pretrained_model_name_or_path)
-        local = loading.converted_checkpoint_directory(path, kwargs)
-        if local is not None:
-            if args:
-                raise TypeError("positional arguments after the path are not supported for converted checkpoints")
-            return loading.load_converted(cls, local, **kwargs)
+        config = kwargs.get("config")
+        if not isinstance(config, PreTrainedConfig):
+            hub = {key: kwargs[key] for key in loading.HUB_ARGUMENTS if key in kwargs}
+            config = cls.config_class.from_pretrained(config if config is not None else path, **hub)
+        quantization = kwargs.get("quantization_config") or getattr(config, "quantization_config", None)
+        loading.check_quantization_served(quantization)
         if os.path.isdir(path):
-            loading.check_no_duplicate_tensors(path)
+            loading.check_no_duplicate_tensors(os.path.join(path, kwargs.get("subfolder") or ""))
         wants_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
         # transformers would initialise these at random (or drop them) and only report it
@@ -616,11 +637,24 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
             if keys:
                 raise ValueError(f"checkpoint {path} {message.format(len(keys))}: {keys[:5]}"
                                  + (" ..." if len(keys) > 5 else ""))
+        if quantization is not None:
+            model._cast_unquantized_to_config_dtype()
         return (model, info) if wants_info else model
 
-    def reset_non_persistent_buffers(self) -> None:
-        """Recompute buffers that are not in checkpoints (after loading onto meta-initialised modules)."""
-        self.model.rotary_emb = MiniMaxM3RotaryEmbedding(self.config).to(self.model.embed_tokens.weight.device)
+    def _cast_unquantized_to_config_dtype(self) -> None:
+        """transformers 5.17's FP8 dequantising loader passes the checkpoint's unquantised tensors (embeddings,
+        norms, ``lm_head``) through in their stored dtype; give them the dtype that was asked for, as 5.24 does."""
+        target = self.config.dtype
+        if not isinstance(target, torch.dtype):
+            return
+        cast = []
+        for name, parameter in self.named_parameters():
+            keep_fp32 = any(module in name for module in self._keep_in_fp32_modules)
+            if parameter.dtype.is_floating_point and parameter.dtype != target and not keep_fp32:
+                parameter.data = parameter.data.to(target)
+                cast.append(name)
+        if cast:
+            logger.info("cast %d unquantised tensors of the FP8 checkpoint to %s, e.g. %s", len(cast), target, cast[:3])
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

@@ -8,7 +8,6 @@ from safetensors.torch import save_file
 
 from minimax_m3 import MiniMaxM3Config, MiniMaxM3ForCausalLM, load_model
 from minimax_m3.conversion import checkpoint_state_dict
-from minimax_m3.loading import dequantize_mxfp8
 from test_minimax_m3 import tiny_config, tiny_model
 
 
@@ -52,6 +51,12 @@ def drop_official_tensor(path, key):
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
+def dequantize_mxfp8(weight, scale_inv):
+    """The MXFP8 reference: ``W = fp8 * 2^(s - 127)``, one uint8 E8M0 exponent ``s`` per 1x32 input block."""
+    exponents = scale_inv.to(torch.int32).repeat_interleave(32, dim=1)[:, : weight.shape[1]] - 127
+    return weight.to(torch.float32) * torch.pow(2.0, exponents.to(torch.float32))
+
+
 def quantize_mxfp8(weight):
     """e4m3 values with one power-of-two scale per 1x32 input block (E8M0 as uint8)."""
     blocks = weight.float().view(weight.shape[0], -1, 32)
@@ -89,13 +94,23 @@ def test_mxfp8_release_is_dequantised_at_load(tmp_path):
     assert not torch.equal(reference.model.layers[0].self_attn.q_proj.weight, model.model.layers[0].self_attn.q_proj.weight)
 
 
-def test_dequantize_mxfp8_uses_e8m0_exponents():
+def test_the_mxfp8_reference_reads_e8m0_exponents():
     weight = torch.tensor([[1.0, -2.0] + [0.5] * 30 + [3.0] * 32]).to(torch.float8_e4m3fn)
-    scales = torch.tensor([[127, 130]], dtype=torch.uint8)
-    out = dequantize_mxfp8(weight, scales)
+    out = dequantize_mxfp8(weight, torch.tensor([[127, 130]], dtype=torch.uint8))
     assert out[0, 0] == 1.0 and out[0, 1] == -2.0 and out[0, 32] == 24.0
-    with pytest.raises(ValueError, match="weight_scale_inv must be"):
-        dequantize_mxfp8(weight, scales[:, :1])
+
+
+def test_mxfp8_asked_to_stay_fp8_raises_before_loading(tmp_path):
+    from transformers import FineGrainedFP8Config
+
+    write_official(tiny_model(intermediate_size=64, shared_intermediate_size=64), tmp_path / "mxfp8", quantize=True)
+    config = json.loads((tmp_path / "mxfp8" / "config.json").read_text())
+    config["quantization_config"]["dequantize"] = False
+    (tmp_path / "mxfp8" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="dequantize=False"):
+        MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "mxfp8")
+    with pytest.raises(ValueError, match="dequantize=False"):
+        MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "mxfp8", quantization_config=FineGrainedFP8Config())
 
 
 def native_model(**overrides):
@@ -173,18 +188,46 @@ def test_incomplete_or_mismatched_checkpoints_raise(tmp_path):
         MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "official")
 
 
-def test_the_official_layout_offloads_to_disk_and_mxfp8_refuses_it(tmp_path):
+def _disk_device_map():
+    return {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "disk",
+            "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+
+
+def test_every_converted_layout_offloads_to_disk(tmp_path):
+    """Official, MXFP8 and transformers-native checkpoints all go through transformers' loader: the same logits with
+    two of three layers offloaded to disk as loaded whole."""
+    ids = torch.randint(3, 97, (1, 40))
     model = tiny_model()
     write_official(model, tmp_path / "official")
-    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "disk",
-                  "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
-    offloaded = MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "official", device_map=device_map, dtype=torch.float32,
-                                                     offload_folder=str(tmp_path / "offload"))
-    ids = torch.randint(3, 97, (1, 40))
-    torch.testing.assert_close(offloaded(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
     write_official(tiny_model(intermediate_size=64, shared_intermediate_size=64), tmp_path / "mxfp8", quantize=True)
-    with pytest.raises(ValueError, match="disk offload is not supported"):
-        MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "mxfp8", device_map={"model.embed_tokens": "disk", "": "cpu"})
+    native_model().save_pretrained(tmp_path / "native")
+    for layout in ("official", "mxfp8", "native"):
+        whole = MiniMaxM3ForCausalLM.from_pretrained(tmp_path / layout, dtype=torch.float32)
+        offloaded = MiniMaxM3ForCausalLM.from_pretrained(tmp_path / layout, device_map=_disk_device_map(),
+                                                         dtype=torch.float32, offload_folder=str(tmp_path / f"offload-{layout}"))
+        assert any((tmp_path / f"offload-{layout}").iterdir()), layout
+        torch.testing.assert_close(offloaded(ids).logits, whole(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_model_loaded_from_the_native_layout_saves_the_official_names(tmp_path):
+    """The native layout's renames and splits apply at load only: a save holds the official names, and it reloads to
+    the same logits."""
+    from safetensors import safe_open
+
+    native_model().save_pretrained(tmp_path / "native")
+    loaded = MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "native", dtype=torch.float32)
+    loaded.save_pretrained(tmp_path / "saved")
+    with safe_open(str(tmp_path / "saved" / "model.safetensors"), framework="pt") as handle:
+        keys = set(handle.keys())
+    assert "model.layers.0.mlp.gate_proj.weight" in keys and "model.layers.1.self_attn.index_q_proj.weight" in keys
+    assert "model.layers.1.block_sparse_moe.shared_experts.up_proj.weight" in keys
+    assert "model.layers.1.block_sparse_moe.gate.weight" in keys
+    # the routed experts were read packed, so transformers saves them packed (the model's own names)
+    assert "model.layers.1.block_sparse_moe.experts.gate_up_proj" in keys
+    assert not any(".indexer." in key or ".mlp.gate_up_proj" in key or ".mlp.gate." in key for key in keys)
+    again = MiniMaxM3ForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32)
+    ids = torch.randint(3, 97, (1, 40))
+    assert torch.equal(again(ids).logits, loaded(ids).logits)
 
 
 def test_an_official_checkpoint_missing_one_expert_matrix_raises_naming_it(tmp_path):
