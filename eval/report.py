@@ -98,18 +98,53 @@ def save_figure(figure, path, dpi: int = 120) -> Path:
 
 def plot_throughput(results: Sequence[dict], path, title: Optional[str] = None) -> Optional[Path]:
     """Input tokens/s against prompt length, one line per (mode, batch size) for fresh prompts, one marker per
-    mode for chunked prefill; log x axis; OOM points as a red x on the axis. None when nothing finished."""
-    import matplotlib.ticker
-
+    mode for chunked prefill; with decode workloads, a second panel of milliseconds per output token against the
+    context, one line per (mode, graphs or eager, batch size); log axes; OOM points as a red x on the axis. None
+    when nothing finished."""
     plt = pyplot()
 
-    finished = [r for r in results if r.get("status") == "ok"]
-    if not finished:
+    prefill = [r for r in results if r["workload"] != "decode"]
+    decode = [r for r in results if r["workload"] == "decode"]
+    if not any(r.get("status") == "ok" for r in results):
         return None
-    figure, axes = plt.subplots(figsize=(7.5, 4.8))
     colours = {}
     for result in results:
         colours.setdefault(result["mode"], f"C{len(colours)}")
+    panels = [p for p in (prefill, decode) if any(r.get("status") == "ok" for r in p)]
+    figure, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 4.8), squeeze=False)
+    for panel, rows in zip(axes[0], panels):
+        if rows is prefill:
+            _plot_prefill(panel, rows, colours)
+            panel.set_title(title or "Prefill throughput")
+        else:
+            _plot_decode(panel, rows, colours)
+            panel.set_title("Decode: time per output token")
+    return save_figure(figure, path)
+
+
+def _length_axis(axes, results, label: str) -> None:
+    import matplotlib.ticker
+
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    lengths = sorted({r["length"] for r in results})
+    axes.set_xticks(lengths, [_tokens_label(n) for n in lengths])
+    axes.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    axes.set_xlabel(label)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=8)
+
+
+def _plot_out_of_memory(axes, results, finished, value) -> None:
+    out_of_memory = [r for r in results if r.get("status") == "OOM"]
+    if out_of_memory:
+        bottom = min(value(r) for r in finished)
+        axes.scatter([r["length"] for r in out_of_memory], [bottom * 0.5] * len(out_of_memory), marker="x",
+                     color="red", s=60, label="out of memory")
+
+
+def _plot_prefill(axes, results, colours) -> None:
+    finished = [r for r in results if r.get("status") == "ok"]
     lines = {}
     for result in finished:
         if result["workload"] == "fresh":
@@ -125,22 +160,25 @@ def plot_throughput(results: Sequence[dict], path, title: Optional[str] = None) 
             axes.scatter([result["length"]], [result["tokens_per_second"]["median"]], marker="s", s=60,
                          color=colours[result["mode"]], edgecolors="black",
                          label=f"{result['mode']}, chunked ({result['chunk_size']}-token chunks)")
-    out_of_memory = [r for r in results if r.get("status") == "OOM"]
-    if out_of_memory:
-        bottom = min(r["tokens_per_second"]["median"] for r in finished)
-        axes.scatter([r["length"] for r in out_of_memory], [bottom * 0.5] * len(out_of_memory), marker="x",
-                     color="red", s=60, label="out of memory")
-    axes.set_xscale("log", base=2)
-    axes.set_yscale("log")
-    lengths = sorted({r["length"] for r in results})
-    axes.set_xticks(lengths, [_tokens_label(n) for n in lengths])
-    axes.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-    axes.set_xlabel("prompt / context length (tokens)")
+    _plot_out_of_memory(axes, results, finished, lambda r: r["tokens_per_second"]["median"])
     axes.set_ylabel("input tokens / s (median over seeds)")
-    axes.set_title(title or "Prefill throughput")
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize=8)
-    return save_figure(figure, path)
+    _length_axis(axes, results, "prompt / context length (tokens)")
+
+
+def _plot_decode(axes, results, colours) -> None:
+    finished = [r for r in results if r.get("status") == "ok"]
+    lines = {}
+    for result in finished:
+        lines.setdefault((result["mode"], result["graphs"], result["batch_size"]), []).append(
+            (result["length"], result["seconds"]["median"] * 1e3))
+    for (mode, graphs, batch), points in sorted(lines.items()):
+        points.sort()
+        label = f"{mode}, {'graphs' if graphs else 'eager'}" + ("" if batch == 1 else f", batch {batch}")
+        axes.plot([p[0] for p in points], [p[1] for p in points], marker="o" if graphs else "^",
+                  color=colours[mode], label=label, linestyle="-" if graphs else ":")
+    _plot_out_of_memory(axes, results, finished, lambda r: r["seconds"]["median"] * 1e3)
+    axes.set_ylabel("ms per output token (median over steps)")
+    _length_axis(axes, results, "context length (tokens)")
 
 
 def environment() -> dict:

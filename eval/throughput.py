@@ -42,6 +42,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .decode import FILLS, WARMUP_STEPS, decode_table, measure_decode
 from .modes import ALL_MODES, MODE_SETTINGS, NATIVE_MODE, indexer_backends_in_use, set_attention_mode
 from .report import default_output_path, environment, format_number, format_table, plot_throughput, write_json
 from .stats import spread
@@ -54,28 +55,39 @@ logger = logging.getLogger(__name__)
 
 PRESETS = ("m3-geometry", "tiny", "embedded")
 SELECTIONS = ("model", "clustered")
-GPU_DEFAULTS = {"lengths": "8192,32768,131072", "chunked_context": 131072, "chunk_size": 2048}
-CPU_DEFAULTS = {"lengths": "256,512", "chunked_context": 512, "chunk_size": 64}
+GPU_DEFAULTS = {"lengths": "8192,32768,131072", "chunked_context": 131072, "chunk_size": 2048,
+                "decode_contexts": "32768,131072", "decode_steps": 32}
+CPU_DEFAULTS = {"lengths": "256,512", "chunked_context": 512, "chunk_size": 64, "decode_contexts": "256",
+                "decode_steps": 4}
 FIRST_REGULAR_TOKEN = 3  # prompts avoid the pad/bos/eos ids of the presets and the embedded tokenizer
 
 
 @dataclass(frozen=True)
 class Workload:
-    kind: str  # "fresh" or "chunked"
-    length: int  # prompt length (fresh) or whole context (chunked)
+    kind: str  # "fresh", "chunked" or "decode"
+    length: int  # prompt length (fresh) or whole context (chunked, decode)
     batch_size: int
     chunk_size: Optional[int] = None
+    steps: Optional[int] = None  # decode: timed one-token steps
+    graphs: bool = False  # decode: replay CUDA graphs (decode_cuda_graphs=True)
+    fill: str = "prefill"  # decode: how the context gets into the cache (eval.decode.FILLS)
 
     def __post_init__(self):
-        if self.kind not in ("fresh", "chunked"):
-            raise ValueError(f"workload kind must be 'fresh' or 'chunked', got {self.kind!r}")
+        if self.kind not in ("fresh", "chunked", "decode"):
+            raise ValueError(f"workload kind must be 'fresh', 'chunked' or 'decode', got {self.kind!r}")
         if self.length < 1 or self.batch_size < 1:
             raise ValueError(f"length and batch_size must be positive, got {self.length} and {self.batch_size}")
         if self.kind == "chunked" and not (self.chunk_size and 0 < self.chunk_size <= self.length):
             raise ValueError(f"chunk_size must be in [1, length={self.length}] for chunked prefill, got {self.chunk_size}")
+        if self.kind == "decode" and not (self.steps and self.steps > 0):
+            raise ValueError(f"a decode workload needs steps >= 1, got {self.steps}")
+        if self.fill not in FILLS:
+            raise ValueError(f"fill must be one of {FILLS}, got {self.fill!r}")
 
     @property
     def label(self) -> str:
+        if self.kind == "decode":
+            return f"decode ({'graphs' if self.graphs else 'eager'})"
         return "fresh" if self.kind == "fresh" else f"chunked ({self.chunk_size})"
 
 
@@ -201,9 +213,12 @@ def prompt(workload: Workload, vocab_size: int, seed: int, device: torch.device)
 def measure(model, mode: str, workload: Workload, seeds: Sequence[int], warmup: int, vocab_size: int,
             input_device: torch.device, devices: Sequence[torch.device]) -> dict:
     """One (mode, workload): ``warmup`` untimed prefills, then one timed prefill per seed."""
+    native = mode == NATIVE_MODE
+    if workload.kind == "decode":
+        return measure_decode(model, mode, workload, seeds, lambda seed: prompt(workload, vocab_size, seed, input_device),
+                              devices, native=native)
     result = {"mode": mode, "workload": workload.kind, "length": workload.length, "batch_size": workload.batch_size,
               "chunk_size": workload.chunk_size, "tokens": workload.length * workload.batch_size}
-    native = mode == NATIVE_MODE
     out_of_memory = False
     try:
         for index in range(warmup):
@@ -243,7 +258,7 @@ def measure(model, mode: str, workload: Workload, seeds: Sequence[int], warmup: 
 def add_speedups(results: list) -> None:
     """``speedup_vs_dense``: dense median seconds / this median seconds, for the same workload."""
     def key(r):
-        return r["workload"], r["length"], r["batch_size"], r["chunk_size"]
+        return r["workload"], r["length"], r["batch_size"], r["chunk_size"], r.get("graphs")
 
     dense = {key(r): r for r in results if r["mode"] == "dense" and r.get("status") == "ok"}
     for result in results:
@@ -312,7 +327,10 @@ def run_throughput(spec: ModelSpec, *, modes: Sequence[str], workloads: Sequence
         vocab_size = config.vocab_size
         input_device = model.get_input_embeddings().weight.device
         devices = model_devices(model)
-        longest = max(workload.length for workload in workloads)
+        # a decode workload's static cache holds its steps too, in whole pages
+        longest = max(workload.length + (workload.steps + WARMUP_STEPS if workload.kind == "decode" else 0)
+                      for workload in workloads)
+        longest = -(-longest // config.index_block_size) * config.index_block_size
         for mode in ours:
             set_attention_mode(model, mode)
             sparse = MODE_SETTINGS[mode]["attention_mode"] == "sparse"
@@ -367,6 +385,7 @@ def measure_native(spec: ModelSpec, config, workloads, seeds, warmup, progress) 
         if model is None:
             results.append({"mode": NATIVE_MODE, "workload": workload.kind, "length": workload.length,
                             "batch_size": workload.batch_size, "chunk_size": workload.chunk_size,
+                            "graphs": workload.graphs if workload.kind == "decode" else None,
                             "tokens": workload.length * workload.batch_size, "status": status, "reason": reason})
         else:
             input_device = model.get_input_embeddings().weight.device
@@ -397,6 +416,8 @@ def throughput_table(results: Sequence[dict]) -> str:
                "input tokens/s", "peak GiB", "vs dense"]
     rows = []
     for r in results:
+        if r["workload"] == "decode":
+            continue  # decode_table
         common = [r["workload"] if r["workload"] == "fresh" else f"chunked {r['chunk_size']}", f"{r['length']:,}",
                   r["batch_size"], r["mode"]]
         if r["status"] != "ok":
@@ -444,6 +465,13 @@ def print_throughput_report(result: dict, stream=None) -> None:
           f"{','.join(map(str, result['seeds']))} (median [min–max]); logits of the last position only{selection}",
           file=stream)
     print(throughput_table(result["results"]), file=stream)
+    decoded = [r for r in result["results"] if r["workload"] == "decode"]
+    if decoded:
+        fills = sorted({r.get("fill", "prefill") for r in decoded})
+        print(f"\nDecode: time per output token after the context ({', '.join(fills)} context; graphs: CUDA-graph "
+              f"replays over a static cache, as generate runs on CUDA; median [min–max] over the steps of every seed)",
+              file=stream)
+        print(decode_table(decoded), file=stream)
     reasons = sorted({(r["mode"], r["status"], r["reason"]) for r in result["results"] if r.get("reason")})
     for mode, status, reason in reasons:
         print(f"{mode}: {status}: {reason}", file=stream)
@@ -502,6 +530,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device-map", default=None, help="for --model (default: auto on CUDA)")
     parser.add_argument("--output", default=None, help="JSON results (default: eval_results/throughput-<time>.json); "
                                                        "the plot goes next to it as .png")
+    parser.add_argument("--decode-contexts", default=None,
+                        help="contexts of the decode workloads (default 32768,131072 on CUDA, 256 otherwise; empty: none)")
+    parser.add_argument("--decode-batch-sizes", default="1", help="comma-separated batch sizes of the decode workloads")
+    parser.add_argument("--decode-steps", type=int, default=None,
+                        help="timed one-token steps per decode workload and seed (default 32 on CUDA, 4 otherwise)")
+    parser.add_argument("--decode-graphs", default="both", choices=["both", "on", "off"],
+                        help="our modes' decode steps: CUDA graphs (on), eager (off) or both")
+    parser.add_argument("--decode-fill", default="prefill", choices=list(FILLS),
+                        help="the decode context: a prefill, or random keys written into the cache (our modes)")
     parser.add_argument("--no-plot", action="store_true")
     return parser
 
@@ -542,6 +579,17 @@ def resolve_arguments(args) -> dict:
         if chunk_size <= 0 or chunk_size > context:
             raise SystemExit(f"--chunk-size must be in [1, --chunked-context={context}], got {chunk_size}")
         workloads += [Workload("chunked", context, batch, chunk_size) for batch in batch_sizes]
+    decode_contexts = _ints(defaults["decode_contexts"] if args.decode_contexts is None else args.decode_contexts,
+                            "--decode-contexts")
+    decode_batches = _ints(args.decode_batch_sizes, "--decode-batch-sizes")
+    decode_steps = defaults["decode_steps"] if args.decode_steps is None else args.decode_steps
+    if decode_contexts:
+        if 0 in decode_contexts or not decode_batches or 0 in decode_batches or decode_steps < 1:
+            raise SystemExit("--decode-contexts and --decode-batch-sizes must list positive integers and "
+                             "--decode-steps must be >= 1")
+        graphs = {"both": (True, False), "on": (True,), "off": (False,)}[args.decode_graphs]
+        workloads += [Workload("decode", context, batch, steps=decode_steps, graphs=graphed, fill=args.decode_fill)
+                      for graphed in graphs for batch in decode_batches for context in decode_contexts]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in ALL_MODES]
     if unknown or not modes:

@@ -6,7 +6,8 @@ repeat cost 2 x 3.2 ms per dense layer for a 2K-token chunk over 128K on the H20
 
 * ``sdpa`` (default): ``scaled_dot_product_attention`` with ``enable_gqa``. A fresh prefill uses SDPA's own causal
   mode; new tokens over a cached prefix use a bottom-right causal bias (no mask tensor on CUDA: SDPA's flash kernel
-  aligns it); a single new token attends to everything without a mask.
+  aligns it); a single new token attends to everything without a mask. A decode step of every sequence on CUDA
+  (one token each, fp16/bf16) runs flash-decoding instead (``decode_attention``).
 * ``eager``: the explicit softmax in fp32, grouped by KV head (the reference).
 * A function a user registers with ``transformers.AttentionInterface.register(name, fn)`` is called with
   transformers' signature: ``query [1, H, q, D]``, ``key`` / ``value [1, KV, kv, D]`` (not repeated), and for new
@@ -25,7 +26,10 @@ import torch
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 
-__all__ = ["ALL_ATTENTION_FUNCTIONS", "SERVED", "check_served", "dense_attention", "eager_attention_forward",
+from .decode_attention import flash_decode, flash_decode_supported
+
+__all__ = ["ALL_ATTENTION_FUNCTIONS", "SERVED", "check_served", "dense_attention", "decode_step_attention",
+           "eager_attention_forward",
            "sdpa_attention_forward", "is_same_length_fresh_prefill"]
 
 _MASK_ELEMENTS = 1 << 24
@@ -116,6 +120,16 @@ def dense_attention(q, keys, values, metadata, *, scale: float, attention=sdpa_a
     ``ALL_ATTENTION_FUNCTIONS`` entry).
 
     Several fresh sequences of one length (a training batch) go through one call over the batch."""
+    if metadata.step is not None:
+        if attention is sdpa_attention_forward and flash_decode_supported(q, keys):
+            return flash_decode(q, keys, values, metadata.step.kv_lengths, scale=scale)
+        return decode_step_attention(q, keys, values, metadata.step.kv_lengths, scale=scale, attention=attention,
+                                     module=module)
+    if (attention is sdpa_attention_forward and len(metadata.query_lengths) == keys.shape[0] == q.shape[0]
+            and max(metadata.query_lengths) == 1 and flash_decode_supported(q, keys)):
+        # a decode step eagerly: the kernels of the graphed step (SDPA would take cuDNN, which builds a plan per
+        # key length)
+        return flash_decode(q, keys, values, metadata.device_lengths(q.device)[1], scale=scale)
     local = attention in (sdpa_attention_forward, eager_attention_forward)
 
     def attend(query, key, value, past: int):
@@ -143,6 +157,25 @@ def dense_attention(q, keys, values, metadata, *, scale: float, attention=sdpa_a
         value = values[sequence, :kv_length].transpose(0, 1)[None]
         output[start : start + count] = attend(query, key, value, kv_length - count)[0]
     return output
+
+
+def decode_step_attention(q, keys, values, kv_lengths, *, scale: float, attention=sdpa_attention_forward,
+                          module=None) -> torch.Tensor:
+    """One new token per sequence (``q [B, H, D]``) over the whole cache capacity (``keys`` / ``values [B, C, KV,
+    D]``) with the keys ``j < kv_lengths[b]`` (device int32 ``[B]``) allowed: no host length, so a CUDA graph can
+    replay it at every length. Our ``sdpa`` runs each KV group's query heads as that head's query rows (GQA without
+    a repeat or a GQA kernel); other functions get transformers' signature with a ``[B, 1, 1, C]`` boolean mask."""
+    batch, capacity, num_kv_heads, head_dim = keys.shape
+    allowed = torch.arange(capacity, device=keys.device)[None, :] < kv_lengths.to(keys.device)[:, None]
+    key, value = keys.transpose(1, 2), values.transpose(1, 2)  # [B, KV, C, D]
+    if attention is sdpa_attention_forward:
+        query = q.view(batch, num_kv_heads, q.shape[1] // num_kv_heads, head_dim)
+        output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed[:, None, None, :],
+                                                                  scale=scale)
+        return output.reshape(batch, q.shape[1], head_dim)
+    output, _ = attention(module, q[:, :, None, :], key, value, allowed[:, None, None, :], scaling=scale,
+                          is_causal=False)
+    return output.reshape(batch, q.shape[1], head_dim)  # [B, 1, H, D]
 
 
 def is_same_length_fresh_prefill(metadata, *, batch_size: int) -> bool:

@@ -29,6 +29,7 @@ from indexer import score_row_pitch
 
 from .cache import MiniMaxM3Cache, MiniMaxM3StaticCache
 from .configuration_minimax_m3 import DENSE_MLP, SPARSE_ATTENTION, MiniMaxM3Config
+from .decode_graphs import DecodeGraph, decode_graph_obstacle
 from .dense_attention import ALL_ATTENTION_FUNCTIONS, check_served, dense_attention, eager_attention_forward
 from .experts import EXPERTS_FUNCTIONS
 from .fusion import compiled, fuse
@@ -416,6 +417,8 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         self.norm = MiniMaxM3RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = MiniMaxM3RotaryEmbedding(config)
         self.page_selector = PageSelector(config)
+        self._decode_graphs = {}  # batch size -> DecodeGraph
+        self._reported_obstacles = set()
         self.post_init()
 
     @can_return_tuple
@@ -431,13 +434,26 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         output_hidden_states: Optional[bool] = None,
         output_router_logits: Optional[bool] = None,
         output_page_selections: bool = False,
+        decode_cuda_graphs: bool = False,
         **kwargs,
     ) -> MiniMaxM3ModelOutput:
         """``position_ids``, when given, must be the positions the cache and ``attention_mask`` imply (each
         sequence's real tokens counted from 0); other positions, such as packed sequences that restart theirs,
-        raise: pass such sequences as rows of a batch instead."""
+        raise: pass such sequences as rows of a batch instead.
+
+        ``decode_cuda_graphs=True`` (what ``generate`` passes on CUDA): a one-token step of every sequence over a
+        ``MiniMaxM3StaticCache`` replays a CUDA graph of the model body (``decode_graphs``), captured at the first
+        such step; on the CPU the same step runs uncaptured. Every sequence's new token is taken as real (the mask
+        is not read), as in ``generate``'s decode steps. Other calls, and steps that ask for extra outputs, run
+        as usual."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        past_for_step = past_key_values if past_key_values is not None else cache
+        if decode_cuda_graphs and self._takes_decode_step(input_ids, past_for_step, position_ids, output_hidden_states,
+                                                          output_router_logits, output_page_selections, kwargs):
+            hidden = self._decode_graph(past_for_step)(input_ids)
+            return MiniMaxM3ModelOutput(last_hidden_state=hidden,
+                                        **{CACHE_FIELD: past_for_step if use_cache is not False else None})
         attentions = kwargs.get("output_attentions")
         if attentions or (attentions is None and self.config.output_attentions):
             raise ValueError("output_attentions is not supported: the sparse layers never form attention weights and "
@@ -506,6 +522,41 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
                 selections.append(selection.clone())  # the selector reuses its buffer
         return MiniMaxM3ModelOutput(last_hidden_state=self.norm(hidden),
                                     page_selections=tuple(selections) if output_page_selections else None)
+
+    def _takes_decode_step(self, input_ids, cache, position_ids, output_hidden_states, output_router_logits,
+                           output_page_selections, kwargs) -> bool:
+        """Whether this call is a decode step the graph serves (see ``forward``)."""
+        if not (isinstance(cache, MiniMaxM3StaticCache) and cache.batch_size is not None and input_ids is not None
+                and input_ids.dim() == 2 and input_ids.shape == (cache.batch_size, 1) and min(cache.lengths) > 0):
+            return False
+        if position_ids is not None or output_hidden_states or output_router_logits or output_page_selections:
+            return False
+        if self.config.output_hidden_states or self.config.output_router_logits or kwargs.get("output_attentions"):
+            return False
+        if self.training or torch.is_grad_enabled():
+            return False
+        obstacle = decode_graph_obstacle(self.config)
+        if obstacle is not None:
+            if obstacle not in self._reported_obstacles:
+                logger.warning("decode steps run eagerly: %s", obstacle)
+                self._reported_obstacles.add(obstacle)
+            return False
+        return True
+
+    def _decode_graph(self, cache) -> DecodeGraph:
+        graph = self._decode_graphs.get(cache.batch_size)
+        if graph is None or not graph.serves(cache):
+            graph = DecodeGraph(self, cache, capture=self.embed_tokens.weight.device.type == "cuda")
+            self._decode_graphs[cache.batch_size] = graph
+        return graph
+
+    def _decode_step_body(self, input_ids, cache, metadata: ForwardMetadata) -> torch.Tensor:
+        """The model body of a decode step with device-only lengths (``DecodeStep``): ``[B, 1, hidden]``."""
+        packed = self.embed_tokens(input_ids).flatten(0, 1)
+        cos, sin = self.rotary_emb(metadata.positions)
+        output = self._forward_packed(packed, cos, sin, cache, metadata, False, output_hidden_states=False,
+                                      output_router_logits=False, return_dict=True)
+        return output.last_hidden_state.view(input_ids.shape[0], 1, -1)
 
     @staticmethod
     def _check_position_ids(position_ids, real, positions) -> None:
@@ -682,11 +733,19 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
         if implementation not in self.CACHE_IMPLEMENTATIONS:
             raise ValueError(f"cache_implementation={implementation!r} is not served by MiniMax-M3: use one of "
                              f"{self.CACHE_IMPLEMENTATIONS} (its cache keeps K/V by position and the paged index-K)")
+        if implementation is None and self._decode_cuda_graphs(model_kwargs):
+            implementation = "static"  # the graphs need tensors that never move
         if implementation == "static":
             capacity = max(max_cache_length, getattr(generation_config, "max_cache_len", None) or 0)
             model_kwargs[CACHE_FIELD] = MiniMaxM3StaticCache(self.config, max_cache_len=capacity)
         else:
             model_kwargs[CACHE_FIELD] = MiniMaxM3Cache(self.config)
+
+    def _decode_cuda_graphs(self, generate_kwargs: dict) -> bool:
+        """``generate(decode_cuda_graphs=...)``: by default on CUDA, one-token steps replay CUDA graphs over a
+        static cache (``MiniMaxM3Model.forward``); ``False`` keeps every step eager (and the cache dynamic)."""
+        requested = generate_kwargs.get("decode_cuda_graphs")
+        return self.device.type == "cuda" if requested is None else bool(requested)
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, inputs_embeds=None, **kwargs):
         """The step's new columns and every other generate() keyword (e.g. ``output_page_selections``); positions
@@ -696,7 +755,9 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
         cache = cache if cache is not None else legacy_cache
         for derived in ("position_ids", "cache_position"):
             kwargs.pop(derived, None)
-        inputs = {"attention_mask": attention_mask, "use_cache": kwargs.pop("use_cache", True)}
+        inputs = {"attention_mask": attention_mask, "use_cache": kwargs.pop("use_cache", True),
+                  "decode_cuda_graphs": self._decode_cuda_graphs(kwargs)}
+        kwargs.pop("decode_cuda_graphs", None)
         if cache is not None:
             inputs["past_key_values"] = cache
         seen = getattr(cache, "columns_seen", 0)
@@ -705,8 +766,12 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
                 inputs_embeds if inputs_embeds is not None else input_ids)
         else:
             # the mask spans every column so far; a generation that started from inputs_embeds has ids only for
-            # the tokens it generated, so the new columns are counted from the end
-            columns = attention_mask.shape[1] if attention_mask is not None else input_ids.shape[1]
+            # the tokens it generated (generate keeps passing the prompt's embeddings, and drops an all-ones mask),
+            # so the new columns are counted from the end
+            if attention_mask is not None:
+                columns = attention_mask.shape[1]
+            else:
+                columns = input_ids.shape[1] + (inputs_embeds.shape[1] if inputs_embeds is not None else 0)
             new_columns = columns - seen
             if not 0 < new_columns <= input_ids.shape[1]:
                 raise ValueError(f"the cache has seen {seen} columns and the inputs have {columns}: nothing new to run")
@@ -735,6 +800,7 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
         output_hidden_states: Optional[bool] = None,
         output_router_logits: Optional[bool] = None,
         output_page_selections: bool = False,
+        decode_cuda_graphs: bool = False,
         **kwargs,
     ) -> MiniMaxM3CausalLMOutput:
         past_key_values = past_key_values if past_key_values is not None else cache  # transformers 5.2x's name
@@ -749,6 +815,7 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
             output_router_logits=output_router_logits,
             output_page_selections=output_page_selections,
             output_attentions=kwargs.pop("output_attentions", None),
+            decode_cuda_graphs=decode_cuda_graphs,
             return_dict=True,
         )
         hidden = outputs.last_hidden_state

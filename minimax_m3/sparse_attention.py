@@ -27,6 +27,8 @@ __all__ = [
     "get_sparse_attention_function",
     "resolve_auto_implementation",
     "to_index_dtype",
+    "DecodeStep",
+    "STEP_SPARSE_ATTENTION",
 ]
 
 _QUERY_CHUNK = 64
@@ -35,8 +37,24 @@ _FP8_MAX = 448.0
 
 
 @dataclass
+class DecodeStep:
+    """The device side of a decode step that a CUDA graph can replay: one new token per sequence over a static cache,
+    with every length read from device buffers (``decode_graphs.DecodeGraph`` updates them before each replay).
+
+    Layers given a ``ForwardMetadata`` with ``step`` set use no host length: dense attention spans the cache's
+    capacity with a mask of ``kv_lengths``, and the page selector re-plans its own indexer plan on the device
+    (``replan``), planned once with the capacity as its bound."""
+
+    kv_lengths: torch.Tensor  # [B] int32: tokens per sequence once the step's token is written
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32: 0, 1, ..., B
+    capacity: int
+    selector: "PageSelector"  # the step's own indexer plan and score buffer, never re-planned by other forwards
+
+
+@dataclass
 class ForwardMetadata:
-    """What every layer of one forward shares: packed token layout and per-sequence lengths (host ints)."""
+    """What every layer of one forward shares: packed token layout and per-sequence lengths (host ints; with
+    ``step`` set, on the device only, see ``DecodeStep``)."""
 
     batch_index: torch.Tensor  # [T] sequence of each packed token
     positions: torch.Tensor  # [T] absolute position of each packed token
@@ -45,6 +63,7 @@ class ForwardMetadata:
     query_starts: list  # packed offset of each sequence's first new token
     planned_devices: set = field(default_factory=set)
     staged_lengths: dict = field(default_factory=dict)  # device -> int32 [query starts..., total, kv lengths...]
+    step: Optional[DecodeStep] = None
 
     @property
     def total_tokens(self) -> int:
@@ -63,6 +82,7 @@ class ForwardMetadata:
             query_starts=self.query_starts,
             planned_devices=self.planned_devices,
             staged_lengths=self.staged_lengths,
+            step=self.step,
         )
 
     def device_lengths(self, device):
@@ -131,6 +151,8 @@ class PageSelector:
             return recent_page_selection(metadata.positions, index_q.shape[1], page_size=self.config.index_block_size,
                                          topk=self.config.index_topk_blocks)
         device = index_q.device
+        if metadata.step is not None and metadata.step.selector is not self:
+            return metadata.step.selector.select(layer_cache_pages, block_table, index_q, metadata)
         wrapper = self._wrappers.get(device)
         if wrapper is None:
             wrapper = BatchPrefillIndexerQ8KV8Wrapper(
@@ -141,9 +163,29 @@ class PageSelector:
             )
             self._wrappers[device] = wrapper
         if device not in metadata.planned_devices:
-            self._plan(wrapper, block_table, metadata, device)
+            if metadata.step is None:
+                self._plan(wrapper, block_table, metadata, device)
+            else:
+                self._plan_step(wrapper, block_table, metadata.step, device)
             metadata.planned_devices.add(device)
         return wrapper.run(index_q.contiguous(), layer_cache_pages)
+
+    def _plan_step(self, wrapper, block_table, step: DecodeStep, device) -> None:
+        """A decode step's plan: built once from the step's buffers with the cache's capacity as its bound (which
+        allocates), then re-planned on the device from their current values (what a CUDA graph replays)."""
+        planned_for = getattr(self, "_step_plan_key", None)
+        key = (device, step.kv_lengths.data_ptr(), block_table.data_ptr(), step.capacity)
+        if planned_for == key:
+            wrapper.replan()
+            return
+        pages = step.capacity // self.config.index_block_size
+        rows = step.kv_lengths.shape[0] * self.config.index_n_heads
+        pitch = score_row_pitch(pages)
+        storage = torch.empty(rows * pitch, dtype=torch.float32, device=device)
+        self._score_storage[device] = storage
+        wrapper.plan(step.cu_seqlens_q, step.kv_lengths, block_table.to(device), total_q=step.kv_lengths.shape[0],
+                     max_seqlen_q=1, max_seqlen_k=step.capacity, score_out=storage.view(rows, pitch)[:, :pages])
+        self._step_plan_key = key
 
     def _plan(self, wrapper, block_table, metadata: ForwardMetadata, device) -> None:
         starts, kv_lengths = metadata.device_lengths(device)
@@ -311,6 +353,8 @@ def resolve_auto_implementation(q: torch.Tensor, keys: torch.Tensor, page_size: 
 
 def sparse_attention_auto(q, keys, values, selection, metadata: ForwardMetadata, *, scale: float, page_size: int):
     implementation = resolve_auto_implementation(q, keys, page_size, values)
+    if metadata.step is not None and implementation not in STEP_SPARSE_ATTENTION:
+        implementation = "reference"  # the same exact attention, from device metadata only
     return SPARSE_ATTENTION_FUNCTIONS[implementation](q, keys, values, selection, metadata, scale=scale, page_size=page_size)
 
 
@@ -428,3 +472,6 @@ SPARSE_ATTENTION_FUNCTIONS["flex"] = sparse_attention_flex
 
 
 SPARSE_ATTENTION_FUNCTIONS["cute"] = sparse_attention_cute
+
+STEP_SPARSE_ATTENTION = ("reference", "cute")
+"""The functions that read only device metadata, so a decode step with them can be replayed as a CUDA graph."""

@@ -178,6 +178,12 @@ def test_generate_from_inputs_embeds_gives_the_tokens_of_generate_from_ids():
     from_embeds = model.generate(inputs_embeds=model.get_input_embeddings()(ids), attention_mask=mask,
                                  max_new_tokens=6, do_sample=False)
     assert torch.equal(from_embeds, from_ids[:, 30:])  # generate() returns only the new tokens for embeddings
+    # without a mask (transformers also drops an all-ones one): the new columns are counted past the embeddings
+    unmasked = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    for mask in (None, torch.ones_like(ids)):
+        from_embeds = model.generate(inputs_embeds=model.get_input_embeddings()(ids), attention_mask=mask,
+                                     max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(from_embeds, unmasked[:, 30:])
 
 
 def test_a_generation_from_inputs_embeds_continues_with_its_cache():

@@ -1,0 +1,147 @@
+"""Decode steps replayed as CUDA graphs (``minimax_m3/decode_graphs.py``) on the H200: the same logits and page
+selections as the eager steps, no host synchronisation, and ``generate``'s default on CUDA."""
+
+import pytest
+import torch
+
+import minimax_m3.sparse_attention as sparse_attention
+from minimax_m3 import MiniMaxM3StaticCache
+from test_minimax_m3 import tiny_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)), reason="needs SM90")]
+
+
+def kernel_geometry_model(sparse_attention_freq):
+    """32 query heads over 2 KV heads of 128 (16 per group), index heads of 128, pages of 128, top-16, bf16: the
+    geometry the SM90 kernels (indexer, top-k and sparse attention) serve."""
+    layers = len(sparse_attention_freq)
+    model = tiny_model(
+        hidden_size=256, num_attention_heads=32, num_key_value_heads=2, head_dim=128, rotary_dim=64,
+        num_hidden_layers=layers, moe_layer_freq=[0] + [1] * (layers - 1), index_dtype="float8_e4m3fn",
+        sparse_attention_config={"sparse_attention_freq": list(sparse_attention_freq), "sparse_num_index_heads": 2,
+                                 "sparse_index_dim": 128, "sparse_block_size": 128, "sparse_topk_blocks": 16,
+                                 "sparse_init_block": 0, "sparse_local_block": 1},
+    )
+    return model.to(device="cuda", dtype=torch.bfloat16)
+
+
+@pytest.fixture
+def recorded_selections(monkeypatch):
+    """Copies of every selection the selectors return. Inside a capture the copy is captured too: its tensor then
+    holds that layer's selection after every replay."""
+    records = []
+    select = sparse_attention.PageSelector.select
+
+    def recording(self, layer_cache_pages, block_table, index_q, metadata):
+        selection = select(self, layer_cache_pages, block_table, index_q, metadata)
+        if metadata.step is None or metadata.step.selector is self:
+            records.append(selection.clone())
+        return selection
+
+    monkeypatch.setattr(sparse_attention.PageSelector, "select", recording)
+    return records
+
+
+def decode(model, records, prompt, mask, steps, graphs, sparse_layers):
+    """Greedy steps over a static cache: per step the logits and each sparse layer's selection."""
+    cache = MiniMaxM3StaticCache(model.config, max_cache_len=prompt.shape[1] + steps)
+    logits, selections = [], []
+    with torch.no_grad():
+        token = model(prompt, attention_mask=mask, past_key_values=cache).logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            records.clear() if not graphs else None
+            mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+            output = model(token, attention_mask=mask, past_key_values=cache, decode_cuda_graphs=graphs)
+            logits.append(output.logits[:, -1].float())
+            selections.append([selection.clone() for selection in records[-sparse_layers:]])
+            token = output.logits[:, -1:].argmax(-1)
+    return torch.stack(logits), selections
+
+
+def test_graphed_steps_give_the_eager_steps_logits_and_pages_bitwise(recorded_selections):
+    """Every layer sparse (no dense attention, whose decode kernel differs): the step is the eager step's kernels on
+    the same inputs, so replays must agree bit for bit."""
+    model = kernel_geometry_model([1, 1, 1])
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    prompt = torch.randint(3, 97, (2, 2600), device="cuda", generator=generator)
+    mask = torch.ones_like(prompt)
+    mask[1, :300] = 0  # 21 and 18 pages of 128 under a top-16
+    eager_logits, eager_pages = decode(model, recorded_selections, prompt, mask, 12, False, 3)
+    recorded_selections.clear()
+    graph_logits, graph_pages = decode(model, recorded_selections, prompt, mask, 12, True, 3)
+    graph = model.model._decode_graphs[2]
+    assert graph.graph is not None and graph.step.selector.indexer_backends() == {"cute"}  # its own plan
+    assert torch.equal(graph_logits, eager_logits)
+    for step, (ours, theirs) in enumerate(zip(graph_pages, eager_pages)):
+        for layer, (a, b) in enumerate(zip(ours, theirs)):
+            assert torch.equal(a, b), (step, layer)
+    assert int(eager_pages[-1][0].max()) == 20  # 21 pages, of which 16 are kept: pages really dropped
+
+
+def test_graphed_steps_with_a_dense_layer_agree_within_bf16_rounding_and_never_synchronise(recorded_selections):
+    model = kernel_geometry_model([0, 1, 1])
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    prompt = torch.randint(3, 97, (3, 2400), device="cuda", generator=generator)
+    mask = torch.ones_like(prompt)
+    mask[0, :250] = 0
+    eager_logits, eager_pages = decode(model, recorded_selections, prompt, mask, 8, False, 2)
+    recorded_selections.clear()
+    graph_logits, graph_pages = decode(model, recorded_selections, prompt, mask, 8, True, 2)
+    torch.testing.assert_close(graph_logits, eager_logits, atol=0.05, rtol=0.02)
+    rows = same = 0
+    for ours, theirs in zip(graph_pages, eager_pages):
+        for a, b in zip(ours, theirs):
+            rows += a.shape[0] * a.shape[1]
+            same += int((a.sort(-1).values == b.sort(-1).values).all(-1).sum())
+    print(f"page sets equal in {same} of {rows} (token, group) rows")
+    assert same >= 0.9 * rows
+
+    cache = MiniMaxM3StaticCache(model.config, max_cache_len=2500)
+    with torch.no_grad():
+        token = model(prompt, attention_mask=mask, past_key_values=cache).logits[:, -1:].argmax(-1)
+        token = model(token, past_key_values=cache, decode_cuda_graphs=True).logits[:, -1:].argmax(-1)  # captures
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(4):
+                token = model(token, past_key_values=cache, decode_cuda_graphs=True).logits[:, -1:].argmax(-1)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(token.float()).all()
+
+
+def test_generate_on_cuda_replays_graphs_by_default_with_the_eager_tokens():
+    model = kernel_geometry_model([1, 1, 1])
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    prompt = torch.randint(3, 97, (2, 2200), device="cuda", generator=generator)
+    settings = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
+    graphed = model.generate(prompt, **settings)
+    assert model.model._decode_graphs[2].graph is not None
+    eager = model.generate(prompt, decode_cuda_graphs=False, **settings)
+    assert torch.equal(graphed, eager)
+
+
+@pytest.mark.parametrize("batch, capacity", [(3, 5000), (1, 131072 // 16)])
+def test_flash_decode_matches_an_fp32_softmax_over_each_sequences_keys(batch, capacity):
+    """Random bf16 inputs, lengths 1, a chunk boundary (2048), one short of the capacity and the capacity itself;
+    the cache rows past a sequence's length hold NaN, which must never be read."""
+    from minimax_m3.decode_attention import SPLIT_KEYS, flash_decode
+
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    heads, kv_heads, dim = 64, 4, 128
+    q = torch.randn(batch, heads, dim, device="cuda", generator=generator).bfloat16()
+    keys = torch.randn(batch, capacity, kv_heads, dim, device="cuda", generator=generator).bfloat16()
+    values = torch.randn(batch, capacity, kv_heads, dim, device="cuda", generator=generator).bfloat16()
+    lengths = [1, SPLIT_KEYS, capacity - 1, capacity][:batch] if batch > 1 else [capacity - 77]
+    for b, length in enumerate(lengths):
+        keys[b, length:] = float("nan")
+        values[b, length:] = float("nan")
+    kv_lengths = torch.tensor(lengths, device="cuda", dtype=torch.int32)
+    got = flash_decode(q, keys, values, kv_lengths, scale=dim ** -0.5)
+    assert torch.isfinite(got.float()).all()
+    for b, length in enumerate(lengths):
+        query = q[b].float().view(kv_heads, heads // kv_heads, dim)
+        logits = torch.einsum("grd,kgd->grk", query, keys[b, :length].float()) * dim ** -0.5
+        expected = torch.einsum("grk,kgd->grd", torch.softmax(logits, -1), values[b, :length].float())
+        torch.testing.assert_close(got[b].float(), expected.reshape(heads, dim), atol=2e-2, rtol=2e-2)
