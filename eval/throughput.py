@@ -10,7 +10,9 @@ Workloads: fresh prompts at every ``--lengths`` x ``--batch-sizes``, and a chunk
 dominates). Every prefill keeps only the last position's logits. Per configuration: one warm-up, then one timed
 prefill per ``--seeds`` (its own random prompt); reported are time per prefill (TTFT; per chunk for chunked
 prefill), input tokens/s, peak GPU memory and speed-up over dense, as median and min/max over the seeds. An
-out-of-memory error is reported as OOM. Then the sparse-layer-only comparison: one sparse layer's attention
+out-of-memory error is reported as OOM. Decode workloads (``eval.decode``): time per output token after a context
+of every ``--decode-contexts`` x ``--decode-batch-sizes``, with CUDA graphs and eagerly. Then the sparse-layer-only
+comparison: one sparse layer's attention
 (indexer + top-k + sparse attention) against the same layer in dense mode (``minimax_m3.bench_prefill``'s
 ``--attention-only``), on a two-layer model of the same attention geometry.
 
@@ -21,7 +23,8 @@ eval.selection_locality``), so both ends of the selection locality can be report
 
 Models: ``--preset m3-geometry`` (default on CUDA): MiniMax-M3's attention geometry (hidden 6144, 64/4 heads of
 128, index heads 4 x 128, pages of 128, top-16) with 1 dense layer + ``--sparse-layers`` sparse layers with a tiny
-MoE and random bf16 weights; ``--preset tiny``: the same layer mix in a tiny geometry (default without CUDA, with
+MoE and random bf16 weights; ``--preset m3-proportions``: the same geometry with M3's own layer mix, 3 dense and 57
+sparse layers (about 6.4B parameters of attention); ``--preset tiny``: the same layer mix in a tiny geometry (default without CUDA, with
 short lengths, fp32: a smoke run, not a measurement); ``--preset embedded``: the embedded default model of
 ``eval.default_model``; ``--model PATH``: a checkpoint (``device_map`` aware).
 
@@ -53,8 +56,10 @@ __all__ = ["Workload", "ModelSpec", "GPU_DEFAULTS", "CPU_DEFAULTS", "run_through
 
 logger = logging.getLogger(__name__)
 
-PRESETS = ("m3-geometry", "tiny", "embedded")
+PRESETS = ("m3-geometry", "m3-proportions", "tiny", "embedded")
 SELECTIONS = ("model", "clustered")
+M3_DENSE_LAYERS, M3_SPARSE_LAYERS = 3, 57
+"""MiniMax-M3's layer mix (preset m3-proportions): three full-attention layers, then 57 sparse ones."""
 GPU_DEFAULTS = {"lengths": "8192,32768,131072", "chunked_context": 131072, "chunk_size": 2048,
                 "decode_contexts": "32768,131072", "decode_steps": 32}
 CPU_DEFAULTS = {"lengths": "256,512", "chunked_context": 512, "chunk_size": 64, "decode_contexts": "256",
@@ -114,6 +119,9 @@ def build_preset_config(spec: ModelSpec):
 
     if spec.preset == "m3-geometry":
         return geometry_config(spec.sparse_layers, tiny=False, sparse_attention_implementation=spec.sparse_attention)
+    if spec.preset == "m3-proportions":
+        return geometry_config(M3_SPARSE_LAYERS, dense_layers=M3_DENSE_LAYERS, tiny=False,
+                               sparse_attention_implementation=spec.sparse_attention)
     if spec.preset == "tiny":
         return geometry_config(spec.sparse_layers, tiny=True, sparse_attention_implementation=spec.sparse_attention)
     raise ValueError(f"no generated config for preset {spec.preset!r}")
@@ -498,7 +506,8 @@ def _ints(text: Optional[str], name: str) -> list:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m eval.throughput", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("--preset", choices=PRESETS, default=None,
-                        help="m3-geometry (default on CUDA), tiny (default without CUDA), embedded (eval's default model)")
+                        help="m3-geometry (default on CUDA), m3-proportions (M3's 3 dense + 57 sparse layers at its "
+                             "attention geometry), tiny (default without CUDA), embedded (eval's default model)")
     parser.add_argument("--model", default=None, help="checkpoint directory instead of a preset")
     parser.add_argument("--modes", default=",".join(ALL_MODES), help=f"comma-separated, of {','.join(ALL_MODES)}")
     parser.add_argument("--lengths", default=None,
@@ -556,8 +565,8 @@ def resolve_arguments(args) -> dict:
         if not on_gpu:
             logger.warning("no CUDA device: falling back from preset m3-geometry to preset tiny at lengths %s, "
                            "float32 (a smoke run, not a measurement)", args.lengths or defaults["lengths"])
-    elif preset == "m3-geometry" and not on_gpu:
-        logger.warning("preset m3-geometry on %s: a 6144-wide model on the CPU is slow", device)
+    elif preset in ("m3-geometry", "m3-proportions") and not on_gpu:
+        logger.warning("preset %s on %s: a 6144-wide model on the CPU is slow", preset, device)
     if args.dtype == "auto":
         dtype = torch.bfloat16 if on_gpu and preset != "embedded" else torch.float32
     else:

@@ -29,25 +29,28 @@ REAL_MOE = dict(intermediate_size=3072, dense_intermediate_size=12288, shared_in
 """MiniMax-M3's MLP widths: 128 routed experts of 3072 (top-4) plus a shared expert of 3072; dense MLP 12288."""
 
 
-def geometry_config(sparse_layers: int, *, tiny: bool, real_moe: bool = False, **overrides) -> MiniMaxM3Config:
+def geometry_config(sparse_layers: int, *, tiny: bool, real_moe: bool = False, dense_layers: int = 1,
+                    **overrides) -> MiniMaxM3Config:
     """M3's attention geometry with a tiny MoE (the attention is what is measured), or with M3's real MLP widths
-    (``real_moe``: what a layer of the released model computes)."""
-    layers = 1 + sparse_layers
+    (``real_moe``: what a layer of the released model computes); ``dense_layers`` full-attention layers with dense
+    MLPs first (M3 has 3, then 57 sparse layers)."""
+    layers = dense_layers + sparse_layers
+    kinds = [0] * dense_layers + [1] * sparse_layers
     if tiny:  # CPU smoke runs: small everything, the contract's page/top-k shape kept
         values = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, rotary_dim=16,
-                      sparse_attention_config={"sparse_attention_freq": [0] + [1] * sparse_layers, "sparse_num_index_heads": 2,
+                      sparse_attention_config={"sparse_attention_freq": kinds, "sparse_num_index_heads": 2,
                                                "sparse_index_dim": 32, "sparse_block_size": 16, "sparse_topk_blocks": 4,
                                                "sparse_init_block": 0, "sparse_local_block": 1})
     else:
         values = dict(hidden_size=6144, num_attention_heads=64, num_key_value_heads=4, head_dim=128, rotary_dim=64,
-                      sparse_attention_config={"sparse_attention_freq": [0] + [1] * sparse_layers, "sparse_num_index_heads": 4,
+                      sparse_attention_config={"sparse_attention_freq": kinds, "sparse_num_index_heads": 4,
                                                "sparse_index_dim": 128, "sparse_block_size": 128, "sparse_topk_blocks": 16,
                                                "sparse_init_block": 0, "sparse_local_block": 1})
     # A tiny MoE (the attention is what is measured), run by transformers' grouped_mm experts (the default): no
     # per-expert host synchronisations, which dominated short prefills with the older per-expert loop (H200).
     values.update(
         vocab_size=1024, num_hidden_layers=layers, intermediate_size=256, dense_intermediate_size=512,
-        shared_intermediate_size=256, num_local_experts=4, num_experts_per_tok=2, moe_layer_freq=[0] + [1] * sparse_layers,
+        shared_intermediate_size=256, num_local_experts=4, num_experts_per_tok=2, moe_layer_freq=kinds,
         partial_rotary_factor=None, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
     if real_moe:

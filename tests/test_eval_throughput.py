@@ -171,3 +171,16 @@ def test_sparse_layer_table_shows_the_core_where_it_was_timed():
     assert "core speed-up" in table and "10.00x" in table and "5.00x" in table
     assert table.splitlines()[-1].split("|")[4].strip() == "OOM"
     assert "core" not in throughput.sparse_layer_table([out_of_memory])
+
+
+def test_the_m3_proportions_preset_has_m3s_layer_mix_at_its_attention_geometry():
+    spec = throughput.ModelSpec(preset="m3-proportions", path=None, dtype=torch.bfloat16, device=torch.device("cpu"))
+    config = throughput.build_preset_config(spec)
+    assert config.num_hidden_layers == 60
+    assert config.layer_types == ["full_attention"] * 3 + ["minimax_m3_sparse"] * 57
+    assert config.mlp_layer_types == ["dense"] * 3 + ["sparse"] * 57
+    assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (6144, 64, 4, 128)
+    assert (config.index_n_heads, config.index_head_dim, config.index_block_size, config.index_topk_blocks) == (4, 128, 128, 16)
+    attention = config.num_hidden_layers * config.hidden_size * 2 * (64 + 4) * 128
+    assert 6.0e9 < attention < 6.6e9  # about 6.4B parameters of attention
+
