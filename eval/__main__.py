@@ -6,8 +6,8 @@
    side with the difference and the paired exact McNemar p-value; then retrieval accuracy per context length for
    dense, sparse (FP8 / bf16 index path), an untrained indexer and a sliding window, with the indexer's recall.
 2. Throughput (``eval.throughput``) on the embedded tiny model (random weights): prefill of fresh prompts and a
-   chunked prefill in the modes sparse, sparse-torch, dense and transformers' native model, then one sparse layer's
-   attention against dense.
+   chunked prefill, decode steps (graphed and eager) and prefix-cached turns in the modes sparse, sparse-torch,
+   dense and transformers' native model, then one sparse layer's attention against dense.
 
 Sized to finish in a few minutes on a 2-core CPU, so the per-length retrieval runs one document per task at 4K
 tokens: it shows the machinery; the GPU numbers (2K-32K, 16 documents per task) are in docs/ACCURACY.md. For real

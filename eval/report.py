@@ -98,7 +98,7 @@ def save_figure(figure, path, dpi: int = 120) -> Path:
 
 def plot_throughput(results: Sequence[dict], path, title: Optional[str] = None) -> Optional[Path]:
     """Input tokens/s against prompt length, one line per (mode, batch size) for fresh prompts, one marker per
-    mode for chunked prefill; with decode workloads, a second panel of milliseconds per output token against the
+    mode for chunked prefill and for prefix-cached turns; with decode workloads, a second panel of milliseconds per output token against the
     context, one line per (mode, graphs or eager, batch size); log axes; OOM points as a red x on the axis. None
     when nothing finished."""
     plt = pyplot()
@@ -160,6 +160,10 @@ def _plot_prefill(axes, results, colours) -> None:
             axes.scatter([result["length"]], [result["tokens_per_second"]["median"]], marker="s", s=60,
                          color=colours[result["mode"]], edgecolors="black",
                          label=f"{result['mode']}, chunked ({result['chunk_size']}-token chunks)")
+        if result["workload"] == "turns":
+            axes.scatter([result["length"]], [result["tokens_per_second"]["median"]], marker="D", s=50,
+                         color=colours[result["mode"]], edgecolors="black",
+                         label=f"{result['mode']}, {result['chunk_size']}-token turns over the prefix")
     _plot_out_of_memory(axes, results, finished, lambda r: r["tokens_per_second"]["median"])
     axes.set_ylabel("input tokens / s (median over seeds)")
     _length_axis(axes, results, "prompt / context length (tokens)")

@@ -11,8 +11,9 @@ dominates). Every prefill keeps only the last position's logits. Per configurati
 prefill per ``--seeds`` (its own random prompt); reported are time per prefill (TTFT; per chunk for chunked
 prefill), input tokens/s, peak GPU memory and speed-up over dense, as median and min/max over the seeds. An
 out-of-memory error is reported as OOM. Decode workloads (``eval.decode``): time per output token after a context
-of every ``--decode-contexts`` x ``--decode-batch-sizes``, with CUDA graphs and eagerly. Then the sparse-layer-only
-comparison: one sparse layer's attention
+of every ``--decode-contexts`` x ``--decode-batch-sizes``, with CUDA graphs and eagerly. Prefix-cached turns
+(``eval.turns``): a ``--turns-prefix`` token prefix in the cache, then ``--turns`` turns of ``--turn-tokens``
+tokens, each timed. Then the sparse-layer-only comparison: one sparse layer's attention
 (indexer + top-k + sparse attention) against the same layer in dense mode (``minimax_m3.bench_prefill``'s
 ``--attention-only``), on a two-layer model of the same attention geometry.
 
@@ -46,6 +47,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .decode import FILLS, WARMUP_STEPS, decode_table, measure_decode
+from .turns import measure_turns, turns_table
 from .modes import ALL_MODES, MODE_SETTINGS, NATIVE_MODE, indexer_backends_in_use, set_attention_mode
 from .report import default_output_path, environment, format_number, format_table, plot_throughput, write_json
 from .stats import spread
@@ -61,31 +63,34 @@ SELECTIONS = ("model", "clustered")
 M3_DENSE_LAYERS, M3_SPARSE_LAYERS = 3, 57
 """MiniMax-M3's layer mix (preset m3-proportions): three full-attention layers, then 57 sparse ones."""
 GPU_DEFAULTS = {"lengths": "8192,32768,131072", "chunked_context": 131072, "chunk_size": 2048,
-                "decode_contexts": "32768,131072", "decode_steps": 32}
+                "decode_contexts": "32768,131072", "decode_steps": 32, "turns_prefix": 131072, "turn_tokens": 2048,
+                "turns": 4}
 CPU_DEFAULTS = {"lengths": "256,512", "chunked_context": 512, "chunk_size": 64, "decode_contexts": "256",
-                "decode_steps": 4}
+                "decode_steps": 4, "turns_prefix": 256, "turn_tokens": 32, "turns": 2}
 FIRST_REGULAR_TOKEN = 3  # prompts avoid the pad/bos/eos ids of the presets and the embedded tokenizer
 
 
 @dataclass(frozen=True)
 class Workload:
-    kind: str  # "fresh", "chunked" or "decode"
-    length: int  # prompt length (fresh) or whole context (chunked, decode)
+    kind: str  # "fresh", "chunked", "decode" or "turns"
+    length: int  # prompt length (fresh), whole context (chunked, decode) or cached prefix (turns)
     batch_size: int
-    chunk_size: Optional[int] = None
-    steps: Optional[int] = None  # decode: timed one-token steps
+    chunk_size: Optional[int] = None  # chunked: tokens per chunk; turns: tokens per turn
+    steps: Optional[int] = None  # decode: timed one-token steps; turns: timed turns
     graphs: bool = False  # decode: replay CUDA graphs (decode_cuda_graphs=True)
     fill: str = "prefill"  # decode: how the context gets into the cache (eval.decode.FILLS)
 
     def __post_init__(self):
-        if self.kind not in ("fresh", "chunked", "decode"):
-            raise ValueError(f"workload kind must be 'fresh', 'chunked' or 'decode', got {self.kind!r}")
+        if self.kind not in ("fresh", "chunked", "decode", "turns"):
+            raise ValueError(f"workload kind must be 'fresh', 'chunked', 'decode' or 'turns', got {self.kind!r}")
         if self.length < 1 or self.batch_size < 1:
             raise ValueError(f"length and batch_size must be positive, got {self.length} and {self.batch_size}")
         if self.kind == "chunked" and not (self.chunk_size and 0 < self.chunk_size <= self.length):
             raise ValueError(f"chunk_size must be in [1, length={self.length}] for chunked prefill, got {self.chunk_size}")
-        if self.kind == "decode" and not (self.steps and self.steps > 0):
-            raise ValueError(f"a decode workload needs steps >= 1, got {self.steps}")
+        if self.kind in ("decode", "turns") and not (self.steps and self.steps > 0):
+            raise ValueError(f"a {self.kind} workload needs steps >= 1, got {self.steps}")
+        if self.kind == "turns" and not (self.chunk_size and self.chunk_size > 0):
+            raise ValueError(f"a turns workload needs chunk_size (tokens per turn) >= 1, got {self.chunk_size}")
         if self.fill not in FILLS:
             raise ValueError(f"fill must be one of {FILLS}, got {self.fill!r}")
 
@@ -93,6 +98,8 @@ class Workload:
     def label(self) -> str:
         if self.kind == "decode":
             return f"decode ({'graphs' if self.graphs else 'eager'})"
+        if self.kind == "turns":
+            return f"turns ({self.steps} x {self.chunk_size})"
         return "fresh" if self.kind == "fresh" else f"chunked ({self.chunk_size})"
 
 
@@ -214,7 +221,8 @@ def prefill_steps(model, workload: Workload, input_ids: torch.Tensor, native: bo
 
 def prompt(workload: Workload, vocab_size: int, seed: int, device: torch.device) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(FIRST_REGULAR_TOKEN, vocab_size, (workload.batch_size, workload.length), generator=generator)
+    length = workload.length + (workload.steps * workload.chunk_size if workload.kind == "turns" else 0)
+    ids = torch.randint(FIRST_REGULAR_TOKEN, vocab_size, (workload.batch_size, length), generator=generator)
     return ids.to(device)
 
 
@@ -225,6 +233,9 @@ def measure(model, mode: str, workload: Workload, seeds: Sequence[int], warmup: 
     if workload.kind == "decode":
         return measure_decode(model, mode, workload, seeds, lambda seed: prompt(workload, vocab_size, seed, input_device),
                               devices, native=native)
+    if workload.kind == "turns":
+        return measure_turns(model, mode, workload, seeds, lambda seed: prompt(workload, vocab_size, seed, input_device),
+                             devices, native=native)
     result = {"mode": mode, "workload": workload.kind, "length": workload.length, "batch_size": workload.batch_size,
               "chunk_size": workload.chunk_size, "tokens": workload.length * workload.batch_size}
     out_of_memory = False
@@ -336,8 +347,8 @@ def run_throughput(spec: ModelSpec, *, modes: Sequence[str], workloads: Sequence
         input_device = model.get_input_embeddings().weight.device
         devices = model_devices(model)
         # a decode workload's static cache holds its steps too, in whole pages
-        longest = max(workload.length + (workload.steps + WARMUP_STEPS if workload.kind == "decode" else 0)
-                      for workload in workloads)
+        extra = {"decode": lambda w: w.steps + WARMUP_STEPS, "turns": lambda w: w.steps * w.chunk_size}
+        longest = max(workload.length + extra.get(workload.kind, lambda w: 0)(workload) for workload in workloads)
         longest = -(-longest // config.index_block_size) * config.index_block_size
         for mode in ours:
             set_attention_mode(model, mode)
@@ -394,6 +405,7 @@ def measure_native(spec: ModelSpec, config, workloads, seeds, warmup, progress) 
             results.append({"mode": NATIVE_MODE, "workload": workload.kind, "length": workload.length,
                             "batch_size": workload.batch_size, "chunk_size": workload.chunk_size,
                             "graphs": workload.graphs if workload.kind == "decode" else None,
+                            "steps": workload.steps, "fill": workload.fill,
                             "tokens": workload.length * workload.batch_size, "status": status, "reason": reason})
         else:
             input_device = model.get_input_embeddings().weight.device
@@ -424,8 +436,8 @@ def throughput_table(results: Sequence[dict]) -> str:
                "input tokens/s", "peak GiB", "vs dense"]
     rows = []
     for r in results:
-        if r["workload"] == "decode":
-            continue  # decode_table
+        if r["workload"] in ("decode", "turns"):
+            continue  # decode_table, turns_table
         common = [r["workload"] if r["workload"] == "fresh" else f"chunked {r['chunk_size']}", f"{r['length']:,}",
                   r["batch_size"], r["mode"]]
         if r["status"] != "ok":
@@ -477,9 +489,14 @@ def print_throughput_report(result: dict, stream=None) -> None:
     if decoded:
         fills = sorted({r.get("fill", "prefill") for r in decoded})
         print(f"\nDecode: time per output token after the context ({', '.join(fills)} context; graphs: CUDA-graph "
-              f"replays over a static cache, as generate runs on CUDA; median [min–max] over the steps of every seed)",
-              file=stream)
+              f"replays over a static cache, as generate runs on CUDA, and on the CPU the same step uncaptured; "
+              f"median [min–max] over the steps of every seed)", file=stream)
         print(decode_table(decoded), file=stream)
+    turns = [r for r in result["results"] if r["workload"] == "turns"]
+    if turns:
+        print("\nPrefix-cached turns: each turn's tokens in one forward over the cached prefix and the earlier turns "
+              "(TTFT per turn; median [min–max] over the turns of every seed)", file=stream)
+        print(turns_table(turns), file=stream)
     reasons = sorted({(r["mode"], r["status"], r["reason"]) for r in result["results"] if r.get("reason")})
     for mode, status, reason in reasons:
         print(f"{mode}: {status}: {reason}", file=stream)
@@ -548,6 +565,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="our modes' decode steps: CUDA graphs (on), eager (off) or both")
     parser.add_argument("--decode-fill", default="prefill", choices=list(FILLS),
                         help="the decode context: a prefill, or random keys written into the cache (our modes)")
+    parser.add_argument("--turns-prefix", type=int, default=None,
+                        help="cached prefix of the multi-turn workload (default 131072 on CUDA, 256 otherwise; 0: none)")
+    parser.add_argument("--turn-tokens", type=int, default=None,
+                        help="tokens per turn (default 2048 on CUDA, 32 otherwise)")
+    parser.add_argument("--turns", type=int, default=None, help="timed turns per seed (default 4 on CUDA, 2 otherwise)")
     parser.add_argument("--no-plot", action="store_true")
     return parser
 
@@ -599,6 +621,13 @@ def resolve_arguments(args) -> dict:
         graphs = {"both": (True, False), "on": (True,), "off": (False,)}[args.decode_graphs]
         workloads += [Workload("decode", context, batch, steps=decode_steps, graphs=graphed, fill=args.decode_fill)
                       for graphed in graphs for batch in decode_batches for context in decode_contexts]
+    turns_prefix = defaults["turns_prefix"] if args.turns_prefix is None else args.turns_prefix
+    turn_tokens = defaults["turn_tokens"] if args.turn_tokens is None else args.turn_tokens
+    turns = defaults["turns"] if args.turns is None else args.turns
+    if turns_prefix:
+        if turns_prefix < 0 or turn_tokens < 1 or turns < 1:
+            raise SystemExit("--turns-prefix must not be negative, --turn-tokens and --turns must be >= 1")
+        workloads += [Workload("turns", turns_prefix, batch, turn_tokens, steps=turns) for batch in batch_sizes]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in ALL_MODES]
     if unknown or not modes:

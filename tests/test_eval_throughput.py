@@ -13,7 +13,8 @@ from eval_isolation import isolate, no_network
 from minimax_m3 import MiniMaxM3ForCausalLM
 
 SHORT_RUN = ["--lengths", "96,160", "--chunked-context", "160", "--chunk-size", "64", "--seeds", "0,1",
-             "--attention-lengths", "96", "--attention-repeats", "1", "--decode-contexts", "96", "--decode-steps", "2"]
+             "--attention-lengths", "96", "--attention-repeats", "1", "--decode-contexts", "96", "--decode-steps", "2",
+             "--turns-prefix", "96", "--turn-tokens", "16", "--turns", "2"]
 RESULT_KEYS = {"mode", "workload", "length", "batch_size", "chunk_size", "tokens", "status", "speedup_vs_dense"}
 
 
@@ -31,8 +32,13 @@ def test_throughput_command_end_to_end(isolated, capsys):
     assert saved["kind"] == "throughput" and saved["model"] == "preset tiny" and saved["dtype"] == "float32"
     assert saved["modes"] == ["sparse", "sparse-torch", "dense", "native"] and saved["seeds"] == [0, 1]
     assert saved["config"]["index_block_size"] == 16 and saved["config"]["num_hidden_layers"] == 4
-    rows = [r for r in saved["results"] if r["workload"] != "decode"]
+    rows = [r for r in saved["results"] if r["workload"] in ("fresh", "chunked")]
     assert len(rows) == 4 * 3  # modes x (two fresh lengths + one chunked prefill)
+    turns = [r for r in saved["results"] if r["workload"] == "turns"]
+    assert [r["mode"] for r in turns] == ["sparse", "sparse-torch", "dense", "native"]
+    for row in turns:
+        assert row["status"] == "ok" and row["length"] == 96 and row["chunk_size"] == 16 and row["steps"] == 2
+        assert row["tokens_per_second"]["max"] == pytest.approx(16 / row["seconds"]["min"])
     decoded = [r for r in saved["results"] if r["workload"] == "decode"]
     assert len(decoded) == 4 * 2  # modes x (graphs, eager)
     for row in decoded:
@@ -65,11 +71,12 @@ def test_throughput_command_end_to_end(isolated, capsys):
 
     plot = output.with_suffix(".png")
     assert saved["plot"] == str(plot) and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert result["kind"] == "throughput" and len(result["results"]) == len(rows) + len(decoded)
+    assert result["kind"] == "throughput" and len(result["results"]) == len(rows) + len(decoded) + len(turns)
 
     printed = capsys.readouterr().out
     for text in ("TTFT ms, median [min–max]", "input tokens/s", "vs dense", "| chunked 64", "| sparse-torch", "| native",
-                 "sparse block ms", "1.00x", "ms per token, median [min–max]", "| graphs", "| eager"):
+                 "sparse block ms", "1.00x", "ms per token, median [min–max]", "| graphs", "| eager",
+                 "TTFT per turn ms"):
         assert text in printed, text
 
 
@@ -109,7 +116,7 @@ def test_no_cuda_falls_back_to_the_tiny_preset_and_says_so(monkeypatch, caplog):
     assert resolved["spec"].preset == "tiny" and resolved["spec"].dtype == torch.float32
     assert [(w.kind, w.length, w.graphs) for w in resolved["workloads"]] == [
         ("fresh", 256, False), ("fresh", 512, False), ("chunked", 512, False), ("decode", 256, True),
-        ("decode", 256, False)]
+        ("decode", 256, False), ("turns", 256, False)]
     assert "falling back from preset m3-geometry to preset tiny" in caplog.text
 
 
@@ -132,7 +139,8 @@ def test_clustered_selection_runs_the_sparse_modes_over_clustered_pages(isolated
     result = throughput.run_command(["--preset", "tiny", "--modes", "sparse,dense", "--lengths", "160",
                                      "--chunked-context", "160", "--chunk-size", "64", "--seeds", "0",
                                      "--attention-lengths", "96", "--attention-repeats", "1", "--selection", "clustered",
-                                     "--decode-contexts", "96", "--decode-steps", "2", "--no-plot", "--output", str(output)])
+                                     "--decode-contexts", "96", "--decode-steps", "2", "--turns-prefix", "0", "--no-plot",
+                                     "--output", str(output)])
     saved = json.loads(output.read_text())
     assert saved["selection"] == "clustered" and saved["sparse_layer_selection"] == "clustered"
     assert [r["status"] for r in saved["results"]] == ["ok"] * 8 and result["selection"] == "clustered"
