@@ -536,12 +536,23 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         if self.training or torch.is_grad_enabled():
             return False
         obstacle = decode_graph_obstacle(self.config)
+        graph = self._decode_graphs.get(cache.batch_size)
+        if obstacle is None and (graph is None or not graph.serves(cache)) and self._has_accelerate_hooks():
+            obstacle = "accelerate's hooks (device_map, offload) move weights and activations during the forward"
         if obstacle is not None:
             if obstacle not in self._reported_obstacles:
                 logger.warning("decode steps run eagerly: %s", obstacle)
                 self._reported_obstacles.add(obstacle)
             return False
         return True
+
+    def _has_accelerate_hooks(self) -> bool:
+        return any(hasattr(module, "_hf_hook") for module in self.modules())
+
+    def _apply(self, fn, *args, **kwargs):
+        """``to()``, ``cuda()``, ``half()``...: captured decode graphs read the old tensors' addresses, so they go."""
+        getattr(self, "_decode_graphs", {}).clear()
+        return super()._apply(fn, *args, **kwargs)
 
     def _decode_graph(self, cache) -> DecodeGraph:
         graph = self._decode_graphs.get(cache.batch_size)

@@ -96,3 +96,22 @@ def test_a_full_static_cache_raises_naming_its_capacity():
         model(torch.randint(3, 97, (1, 24)), past_key_values=cache)
         with pytest.raises(ValueError, match="holds 24 tokens per sequence"):
             model(torch.randint(3, 97, (1, 1)), past_key_values=cache, decode_cuda_graphs=True)
+
+
+def test_moving_the_model_drops_its_captured_steps_and_offloaded_models_decode_eagerly(caplog):
+    """A graph reads the addresses of the tensors it was captured with: ``to()`` (any ``_apply``) must drop it, and
+    accelerate's hooks, which move weights during the forward, keep the steps eager."""
+    from accelerate import cpu_offload
+
+    model = tiny_model()
+    prompt = torch.randint(3, 97, (1, 20), generator=torch.Generator().manual_seed(3))
+    expected = model.generate(prompt, max_new_tokens=4, decode_cuda_graphs=False, **GREEDY)
+    assert torch.equal(model.generate(prompt, max_new_tokens=4, decode_cuda_graphs=True, **GREEDY), expected)
+    assert model.model._decode_graphs
+    model.to(torch.float64).to(torch.float32)
+    assert not model.model._decode_graphs
+    cpu_offload(model, execution_device=torch.device("cpu"))
+    with caplog.at_level(logging.WARNING, logger="minimax_m3.modeling_minimax_m3"):
+        offloaded = model.generate(prompt, max_new_tokens=4, decode_cuda_graphs=True, **GREEDY)
+    assert torch.equal(offloaded, expected) and not model.model._decode_graphs
+    assert "accelerate's hooks" in caplog.text
