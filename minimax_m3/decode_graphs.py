@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .sparse_attention import STEP_SPARSE_ATTENTION, DecodeStep, ForwardMetadata, PageSelector
+from .sparse_attention import STEP_SPARSE_ATTENTION, DecodeStep, ForwardMetadata, PageSelector, host_to_device
 
 __all__ = ["DecodeGraph", "decode_graph_obstacle"]
 
@@ -91,10 +91,8 @@ class DecodeGraph:
 
     def _load_inputs(self, input_ids: torch.Tensor) -> None:
         self.input_ids.copy_(input_ids, non_blocking=True)
-        lengths = torch.tensor(self.cache.lengths, dtype=torch.long)
-        # pinned, so the copy is asynchronous (a pageable one would wait for the queued work); torch's pinned
-        # allocator keeps the block until the copy is done
-        self.positions.copy_(lengths.pin_memory() if self.device.type == "cuda" else lengths, non_blocking=True)
+        self.positions.copy_(host_to_device(torch.tensor(self.cache.lengths, dtype=torch.long), self.device),
+                             non_blocking=True)
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The final normed hidden states ``[B, 1, hidden]`` of the step's tokens (a buffer the next step

@@ -33,7 +33,8 @@ from .decode_graphs import DecodeGraph, decode_graph_obstacle
 from .dense_attention import ALL_ATTENTION_FUNCTIONS, check_served, dense_attention, eager_attention_forward
 from .experts import EXPERTS_FUNCTIONS
 from .fusion import compiled, fuse
-from .sparse_attention import ForwardMetadata, PageSelector, get_sparse_attention_function, to_index_dtype
+from .sparse_attention import (ForwardMetadata, PageSelector, get_sparse_attention_function, host_to_device,
+                               to_index_dtype)
 
 logger = logging.getLogger(__name__)
 
@@ -475,7 +476,8 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         cache.bind(batch)
 
         real = self._new_token_mask(attention_mask, batch, new_tokens, inputs_embeds.device)
-        query_lengths = real.sum(1).tolist()
+        # without a mask every column is real: the lengths are known on the host (reading them would synchronise)
+        query_lengths = [new_tokens] * batch if attention_mask is None else real.sum(1).tolist()
         chunk = self._query_chunk_columns(cache, query_lengths, new_tokens)
         if chunk < new_tokens:
             if position_ids is not None:  # all of them before the first chunk writes the cache
@@ -633,15 +635,22 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
 
     @staticmethod
     def _metadata(real: torch.Tensor, past_lengths: list, query_lengths: list) -> ForwardMetadata:
+        """The packed layout. When every new column is real (``query_lengths`` all equal to the columns) it is built
+        without a host synchronisation; padding needs ``nonzero`` and a boolean gather, which do synchronise."""
         device = real.device
-        batch_index = torch.nonzero(real, as_tuple=True)[0]
+        batch, columns = real.shape
         starts, offset = [], 0
         for count in query_lengths:
             starts.append(offset)
             offset += count
-        past = torch.tensor(past_lengths, device=device, dtype=torch.long)
-        rank = torch.cumsum(real.long(), dim=1) - 1  # rank of each real token among its sequence's new tokens
-        positions = (past[:, None] + rank)[real]
+        past = host_to_device(torch.tensor(past_lengths, dtype=torch.long), device)
+        if all(count == columns for count in query_lengths):
+            batch_index = torch.arange(batch, device=device).repeat_interleave(columns)
+            positions = (past[:, None] + torch.arange(columns, device=device)).flatten()
+        else:
+            batch_index = torch.nonzero(real, as_tuple=True)[0]
+            rank = torch.cumsum(real.long(), dim=1) - 1  # rank of each real token among its sequence's new tokens
+            positions = (past[:, None] + rank)[real]
         metadata = ForwardMetadata(
             batch_index=batch_index,
             positions=positions,

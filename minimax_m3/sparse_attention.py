@@ -29,6 +29,7 @@ __all__ = [
     "to_index_dtype",
     "DecodeStep",
     "STEP_SPARSE_ATTENTION",
+    "host_to_device",
 ]
 
 _QUERY_CHUNK = 64
@@ -93,12 +94,21 @@ class ForwardMetadata:
         if device not in self.staged_lengths:
             staged = next(iter(self.staged_lengths.values()), None)
             if staged is None:
-                staged = torch.tensor(self.query_starts + [self.total_tokens] + list(self.kv_lengths),
-                                      dtype=torch.int32, device=device)
+                staged = host_to_device(torch.tensor(self.query_starts + [self.total_tokens] + list(self.kv_lengths),
+                                                     dtype=torch.int32), device)
             self.staged_lengths[device] = staged.to(device, non_blocking=True)
         staged = self.staged_lengths[device]
         count = len(self.query_lengths)
         return staged[: count + 1], staged[count + 1 :]
+
+
+def host_to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor on ``device`` without a synchronisation: through pinned memory on CUDA (a pageable copy
+    would wait for the queued work), torch's pinned allocator keeping the block until the copy is done."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def to_index_dtype(x: torch.Tensor, index_dtype: str) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Decode steps replayed as CUDA graphs (``minimax_m3/decode_graphs.py``) on the H200: the same logits and page
-selections as the eager steps, no host synchronisation, and ``generate``'s default on CUDA."""
+selections as the eager steps, no host synchronisation, and ``generate``'s default on CUDA; and a chunk of a chunked
+prefill without a host synchronisation."""
 
 import pytest
 import torch
@@ -145,3 +146,22 @@ def test_flash_decode_matches_an_fp32_softmax_over_each_sequences_keys(batch, ca
         logits = torch.einsum("grd,kgd->grk", query, keys[b, :length].float()) * dim ** -0.5
         expected = torch.einsum("grk,kgd->grd", torch.softmax(logits, -1), values[b, :length].float())
         torch.testing.assert_close(got[b].float(), expected.reshape(heads, dim), atol=2e-2, rtol=2e-2)
+
+
+def test_a_chunk_over_a_cached_prefix_without_a_mask_never_synchronises():
+    """Chunked prefill: without an attention mask the packed layout, the positions and the indexer's plan are built
+    from host lengths and pinned copies, so a chunk (after one of its shape has warmed the kernels) never waits."""
+    model = kernel_geometry_model([0, 1, 1])
+    generator = torch.Generator(device="cuda").manual_seed(4)
+    ids = torch.randint(3, 97, (1, 3072), device="cuda", generator=generator)
+    cache = MiniMaxM3StaticCache(model.config, max_cache_len=3072)
+    with torch.no_grad():
+        model(ids[:, :2048], past_key_values=cache, logits_to_keep=1)
+        model(ids[:, 2048:2560], past_key_values=cache, logits_to_keep=1)  # this chunk length's first run
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            logits = model(ids[:, 2560:], past_key_values=cache, logits_to_keep=1).logits
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(logits.float()).all() and cache.lengths == [3072]  # chunked == one forward: on the CPU
