@@ -445,8 +445,8 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         ``decode_cuda_graphs=True`` (what ``generate`` passes on CUDA): a one-token step of every sequence over a
         ``MiniMaxM3StaticCache`` replays a CUDA graph of the model body (``decode_graphs``), captured at the first
         such step; on the CPU the same step runs uncaptured. Every sequence's new token is taken as real (the mask
-        is not read), as in ``generate``'s decode steps. Other calls, and steps that ask for extra outputs, run
-        as usual."""
+        is not read), as in ``generate``'s decode steps, and a replayed step's ``last_hidden_state`` is the graph's
+        buffer, which the next step overwrites. Other calls, and steps that ask for extra outputs, run as usual."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         past_for_step = past_key_values if past_key_values is not None else cache
