@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .report import format_number, format_table
+from .report import format_table, timing_cells
 from .stats import spread
 from .timing import peak_memory_gib, release_memory, reset_peak_memory, time_steps
 
@@ -112,14 +112,5 @@ def decode_table(results: Sequence[dict]) -> str:
     rows = []
     for r in results:
         common = [f"{r['length']:,}", r["batch_size"], r["mode"], "graphs" if r["graphs"] else "eager"]
-        if r["status"] != "ok":
-            rows.append(common + [r["status"], "-", "-", "-"])
-            continue
-        s = r["seconds"]
-        rows.append(common + [
-            f"{s['median'] * 1e3:,.2f} [{s['min'] * 1e3:,.2f}–{s['max'] * 1e3:,.2f}]",
-            format_number(r["tokens_per_second"]["median"]),
-            format_number(r["peak_memory_gib"]),
-            "-" if r.get("speedup_vs_dense") is None else f"{r['speedup_vs_dense']:.2f}x",
-        ])
+        rows.append(common + timing_cells(r, decimals=2))
     return format_table(headers, rows)

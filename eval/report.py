@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-__all__ = ["RESULTS_DIRECTORY", "default_output_path", "format_table", "format_number", "write_json", "to_jsonable",
+__all__ = ["RESULTS_DIRECTORY", "default_output_path", "format_table", "format_number", "timing_cells", "write_json", "to_jsonable",
            "pyplot", "save_figure", "plot_throughput", "environment"]
 
 RESULTS_DIRECTORY = Path("eval_results")
@@ -63,6 +63,17 @@ def to_jsonable(value):
     if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
         return to_jsonable(value.item())
     return str(value)
+
+
+def timing_cells(result: dict, decimals: int = 1) -> list:
+    """A finished row's last four table cells: median [min–max] milliseconds, median tokens/s, peak GiB and the
+    speed-up over dense (or the status and dashes for a row that did not finish)."""
+    if result["status"] != "ok":
+        return [result["status"], "-", "-", "-"]
+    s = result["seconds"]
+    return [f"{s['median'] * 1e3:,.{decimals}f} [{s['min'] * 1e3:,.{decimals}f}–{s['max'] * 1e3:,.{decimals}f}]",
+            format_number(result["tokens_per_second"]["median"]), format_number(result["peak_memory_gib"]),
+            "-" if result.get("speedup_vs_dense") is None else f"{result['speedup_vs_dense']:.2f}x"]
 
 
 def write_json(path, payload) -> Path:
