@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-__all__ = ["RESULTS_DIRECTORY", "default_output_path", "format_table", "format_number", "timing_cells", "write_json", "to_jsonable",
-           "pyplot", "save_figure", "plot_throughput", "environment"]
+__all__ = ["RESULTS_DIRECTORY", "default_output_path", "format_table", "format_number", "timing_cells", "write_json",
+           "to_jsonable", "pyplot", "save_figure", "plot_throughput", "environment"]
 
 RESULTS_DIRECTORY = Path("eval_results")
 
