@@ -30,9 +30,10 @@ WARMUP_STEPS = 2
 def decode_context(model, prompt: torch.Tensor, *, steps: int, native: bool, fill: str):
     """The cache after the context: ``(cache, first token [B, 1])``."""
     from minimax_m3 import MiniMaxM3StaticCache
+    from minimax_m3.bench_decode import fill_random_context
     from minimax_m3.modeling_minimax_m3 import CACHE_FIELD
 
-    batch, length = prompt.shape
+    length = prompt.shape[1]
     with torch.no_grad():
         if native:
             if fill != "prefill":
@@ -43,14 +44,8 @@ def decode_context(model, prompt: torch.Tensor, *, steps: int, native: bool, fil
         if fill == "prefill":
             output = model(input_ids=prompt, past_key_values=cache, logits_to_keep=1)
             return cache, output.logits[:, -1:].argmax(-1)
-        model(input_ids=prompt[:, :1], past_key_values=cache, logits_to_keep=1)  # allocates every store
-        generator = torch.Generator(device=prompt.device).manual_seed(int(prompt[0, 0]))
-        for layer in cache.layers:
-            for _, tensor in layer.tensors():
-                values = torch.randn(tensor.shape, generator=generator, device=tensor.device, dtype=torch.float32)
-                tensor.copy_(values.to(tensor.dtype))
-        cache._set_lengths([length] * batch)
-        cache.columns_seen = length
+        fill_random_context(model, cache, prompt, length,
+                            torch.Generator(device=prompt.device).manual_seed(int(prompt[0, 0])))
         return cache, prompt[:, -1:]
 
 

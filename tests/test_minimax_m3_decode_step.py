@@ -115,3 +115,12 @@ def test_moving_the_model_drops_its_captured_steps_and_offloaded_models_decode_e
         offloaded = model.generate(prompt, max_new_tokens=4, decode_cuda_graphs=True, **GREEDY)
     assert torch.equal(offloaded, expected) and not model.model._decode_graphs
     assert "accelerate's hooks" in caplog.text
+
+
+def test_the_decode_bench_reports_the_step_and_its_operators(capsys):
+    from minimax_m3 import bench_decode
+
+    bench_decode.main(["--tiny", "--context", "200", "--batch", "2", "--steps", "2", "--top", "5", "--device", "cpu"])
+    printed = capsys.readouterr().out
+    assert "sparse, context 200, batch 2, graphs on cpu:" in printed and "ms per step" in printed
+    assert printed.count("\n| aten::") == 5

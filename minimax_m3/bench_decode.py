@@ -1,0 +1,120 @@
+"""Where a decode step's time goes: ``python -m minimax_m3.bench_decode``.
+
+A model of ``minimax_m3.bench_prefill.geometry_config`` (M3's attention geometry, 1 dense + ``--sparse-layers``
+sparse layers, tiny MoE, random weights; ``--tiny`` for the CPU-sized one) decodes ``--steps`` one-token steps of
+``--batch`` sequences after a ``--context``-token context written into a static cache as random keys, values and
+index keys (``fill_random_context``: a step's work does not depend on how the context got there). With CUDA graphs
+(default on CUDA, as ``generate`` runs) or ``--eager``. Prints the median step time (CUDA events; host clock on CPU)
+and the torch profiler's kernels per step, grouped by name: how many, and their time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from .bench_prefill import build, geometry_config
+from .cache import MiniMaxM3StaticCache
+
+__all__ = ["fill_random_context", "decode_step_profile", "main"]
+
+
+def fill_random_context(model, cache: MiniMaxM3StaticCache, prompt: torch.Tensor, length: int,
+                        generator: torch.Generator) -> None:
+    """Give every sequence of ``cache`` a ``length``-token context of random keys, values and index keys: one
+    real token (``prompt[:, :1]``) allocates the stores, then they are overwritten and the lengths set."""
+    with torch.no_grad():
+        model(input_ids=prompt[:, :1], past_key_values=cache, logits_to_keep=1)
+    for layer in cache.layers:
+        for _, tensor in layer.tensors():
+            values = torch.randn(tensor.shape, generator=generator, device=tensor.device, dtype=torch.float32)
+            tensor.copy_(values.to(tensor.dtype))
+    cache._set_lengths([length] * prompt.shape[0])
+    cache.columns_seen = length
+
+
+def decode_step_profile(model, *, context: int, batch: int, steps: int, graphs: bool) -> dict:
+    """Median seconds per step and the profiled kernels (CUDA) or operators (CPU) per step."""
+    device = model.get_input_embeddings().weight.device
+    generator = torch.Generator(device=device).manual_seed(0)
+    prompt = torch.randint(3, model.config.vocab_size, (batch, 1), device=device, generator=generator)
+    cache = MiniMaxM3StaticCache(model.config, max_cache_len=context + 3 * steps + 2)
+    fill_random_context(model, cache, prompt, context, generator)
+    state = {"token": prompt}
+
+    def step():
+        with torch.no_grad():
+            logits = model(input_ids=state["token"], past_key_values=cache, logits_to_keep=1,
+                           decode_cuda_graphs=graphs).logits
+            state["token"] = logits[:, -1:].argmax(-1)
+
+    for _ in range(2):  # the first graphed step captures
+        step()
+    cuda = device.type == "cuda"
+    seconds = []
+    for _ in range(steps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            seconds.append(start.elapsed_time(end) / 1e3)
+        else:
+            began = time.perf_counter()
+            step()
+            seconds.append(time.perf_counter() - began)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as profile:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    kernels = defaultdict(lambda: [0, 0.0])  # name -> [count, microseconds]
+    for event in profile.events():
+        on_device = event.device_type == torch.autograd.DeviceType.CUDA
+        if cuda and not on_device:
+            continue
+        if not cuda and (event.cpu_parent is not None or not event.name.startswith("aten::")):
+            continue  # top-level operators only
+        entry = kernels[event.name]
+        entry[0] += 1
+        entry[1] += (event.device_time if on_device else event.cpu_time)
+    per_step = {name: (count / steps, total / steps) for name, (count, total) in kernels.items()}
+    return {"seconds": statistics.median(seconds), "per_step": per_step, "device": str(device), "graphs": graphs}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--context", type=int, default=131072)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--sparse-layers", type=int, default=3)
+    parser.add_argument("--mode", choices=["sparse", "dense"], default="sparse")
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--tiny", action="store_true", help="the CPU-sized geometry")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--top", type=int, default=25, help="kernel names to list")
+    args = parser.parse_args(argv)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build(args.mode, geometry_config(args.sparse_layers, tiny=args.tiny), device, dtype)
+    result = decode_step_profile(model, context=args.context, batch=args.batch, steps=args.steps,
+                                 graphs=not args.eager)
+    rows = sorted(result["per_step"].items(), key=lambda item: -item[1][1])
+    unit = "kernels" if device.type == "cuda" else "operators"
+    print(f"{args.mode}, context {args.context:,}, batch {args.batch}, {'graphs' if not args.eager else 'eager'} on "
+          f"{device}: {result['seconds'] * 1e3:.3f} ms per step (median of {args.steps}); "
+          f"{sum(c for c, _ in result['per_step'].values()):.0f} {unit} and "
+          f"{sum(t for _, t in result['per_step'].values()):,.0f} us of them per step")
+    print(f"| {unit[:-1]} | per step | us per step |\n|---|---|---|")
+    for name, (count, micros) in rows[: args.top]:
+        print(f"| {name[:90]} | {count:g} | {micros:,.1f} |")
+
+
+if __name__ == "__main__":
+    main()
