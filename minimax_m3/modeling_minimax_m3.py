@@ -7,8 +7,6 @@ Tokens are processed packed: the real (non-padding) new tokens of every sequence
 absolute position, which is the layout of the indexer's contract.
 """
 
-from __future__ import annotations
-
 import logging
 import os
 from dataclasses import dataclass
@@ -793,9 +791,14 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
             else:
                 columns = input_ids.shape[1] + (inputs_embeds.shape[1] if inputs_embeds is not None else 0)
             new_columns = columns - seen
-            if not 0 < new_columns <= input_ids.shape[1]:
+            if 0 < new_columns <= input_ids.shape[1]:
+                inputs["input_ids"] = input_ids[:, input_ids.shape[1] - new_columns:]
+            elif (0 < new_columns and input_ids.shape[1] == 0 and inputs_embeds is not None
+                  and new_columns <= inputs_embeds.shape[1]):
+                # a generation continued from longer embeddings over its cache: their new columns
+                inputs["inputs_embeds"] = inputs_embeds[:, inputs_embeds.shape[1] - new_columns:]
+            else:
                 raise ValueError(f"the cache has seen {seen} columns and the inputs have {columns}: nothing new to run")
-            inputs["input_ids"] = input_ids[:, input_ids.shape[1] - new_columns:]
         inputs.update(kwargs)
         return inputs
 

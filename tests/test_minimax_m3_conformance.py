@@ -204,6 +204,22 @@ def test_a_generation_from_inputs_embeds_continues_with_its_cache():
     assert torch.equal(continued, whole[:, 30:])
 
 
+def test_a_generation_continues_from_longer_embeddings_over_its_cache():
+    """The prompt's embeddings plus the generated token's, with the returned cache: only the new column runs."""
+    from test_minimax_m3 import CACHE_FIELD
+
+    model = tiny_model()
+    ids = torch.randint(3, 97, (2, 30), generator=torch.Generator().manual_seed(7))
+    embed = model.get_input_embeddings()
+    whole = model.generate(inputs_embeds=embed(ids), max_new_tokens=5, do_sample=False, pad_token_id=0)
+    first = model.generate(inputs_embeds=embed(ids), max_new_tokens=1, do_sample=False, pad_token_id=0,
+                           return_dict_in_generate=True)
+    longer = torch.cat([embed(ids), embed(first.sequences)], dim=1)
+    continued = model.generate(inputs_embeds=longer, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                               **{CACHE_FIELD: first[CACHE_FIELD]})
+    assert torch.equal(torch.cat([first.sequences, continued], dim=1), whole)
+
+
 def test_generate_forwards_the_models_own_keywords(monkeypatch):
     model = tiny_model()
     seen = []
