@@ -267,6 +267,20 @@ class MiniMaxM3StaticCache(MiniMaxM3Cache):
                          f"pages of {self.page_size}); this forward needs {needed}: build it with a larger "
                          f"max_cache_len")
 
+    def reallocate(self, max_cache_len: int) -> None:
+        """Give the cache a larger fixed capacity between generations (``generate`` continuing it for more tokens
+        than it holds): its tensors move, once, and decode graphs captured on it are captured again."""
+        capacity = -(-max_cache_len // self.page_size) * self.page_size
+        if capacity <= self.capacity:
+            return
+        for layer in self.layers:
+            for name, tensor in layer.tensors():
+                grown = tensor.new_zeros(tensor.shape[0], capacity, *tensor.shape[2:])
+                grown[:, : tensor.shape[1]] = tensor
+                setattr(layer, name, grown)
+        self.capacity = capacity
+        self._block_table_key = None
+
     def _take_sequences(self, index: torch.Tensor) -> None:
         """In place, so every tensor keeps its address; the batch size cannot change."""
         if self._batch is None:

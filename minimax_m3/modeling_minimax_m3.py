@@ -745,6 +745,10 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
             if not isinstance(given, MiniMaxM3Cache):
                 raise TypeError(f"{CACHE_FIELD} must be a MiniMaxM3Cache or MiniMaxM3StaticCache, got {type(given).__name__}")
             given._is_user_defined = True
+            if given.static and given.capacity < max_cache_length:
+                logger.info("the static cache holds %d tokens per sequence and this generation reaches %d: "
+                            "re-allocated once", given.capacity, max_cache_length)
+                given.reallocate(max_cache_length)
             return
         if generation_config.use_cache is False:
             return

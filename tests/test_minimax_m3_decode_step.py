@@ -124,3 +124,20 @@ def test_the_decode_bench_reports_the_step_and_its_operators(capsys):
     printed = capsys.readouterr().out
     assert "sparse, context 200, batch 2, graphs on cpu:" in printed and "ms per step" in printed
     assert printed.count("\n| aten::") == 5
+
+
+def test_continuing_a_static_graphed_generation_for_more_tokens_reallocates_its_cache_once():
+    """generate's CUDA default is a static cache sized for the call; continued for more tokens, it grows once (its
+    tensors move, so the decode graph is captured again) and gives the tokens of one longer generation."""
+    from test_minimax_m3 import CACHE_FIELD
+
+    model = tiny_model()
+    prompt = torch.randint(3, 97, (2, 30), generator=torch.Generator().manual_seed(4))
+    whole = model.generate(prompt, max_new_tokens=12, decode_cuda_graphs=True, **GREEDY)
+    first = model.generate(prompt, max_new_tokens=4, decode_cuda_graphs=True, return_dict_in_generate=True, **GREEDY)
+    cache = first[CACHE_FIELD]
+    assert isinstance(cache, MiniMaxM3StaticCache) and cache.capacity == 40  # 34 tokens in pages of 8
+    continued = model.generate(first.sequences, max_new_tokens=8, decode_cuda_graphs=True, **{CACHE_FIELD: cache},
+                               **GREEDY)
+    assert cache.capacity == 48 and torch.equal(continued, whole)
+    assert model.model._decode_graphs[2].serves(cache)
