@@ -19,6 +19,7 @@ import torch
 
 from .bench_prefill import build, geometry_config
 from .cache import MiniMaxM3StaticCache
+from .timing import median_cuda_ms
 
 __all__ = ["fill_random_context", "decode_step_profile", "main"]
 
@@ -52,22 +53,18 @@ def decode_step_profile(model, *, context: int, batch: int, steps: int, graphs: 
                            decode_cuda_graphs=graphs).logits
             state["token"] = logits[:, -1:].argmax(-1)
 
-    for _ in range(2):  # the first graphed step captures
-        step()
+    step()  # the first graphed step captures
     cuda = device.type == "cuda"
-    seconds = []
-    for _ in range(steps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            seconds.append(start.elapsed_time(end) / 1e3)
-        else:
+    if cuda:
+        median_seconds = median_cuda_ms(step, steps) / 1e3
+    else:
+        step()
+        seconds = []
+        for _ in range(steps):
             began = time.perf_counter()
             step()
             seconds.append(time.perf_counter() - began)
+        median_seconds = statistics.median(seconds)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=activities) as profile:
         for _ in range(steps):
@@ -85,7 +82,7 @@ def decode_step_profile(model, *, context: int, batch: int, steps: int, graphs: 
         entry[0] += 1
         entry[1] += (event.device_time if on_device else event.cpu_time)
     per_step = {name: (count / steps, total / steps) for name, (count, total) in kernels.items()}
-    return {"seconds": statistics.median(seconds), "per_step": per_step, "device": str(device), "graphs": graphs}
+    return {"seconds": median_seconds, "per_step": per_step, "device": str(device), "graphs": graphs}
 
 
 def main(argv=None) -> None:

@@ -10,12 +10,12 @@ first sequence's keys.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 from .decode_attention import flash_decode
 from .dense_attention import decode_step_attention
+from .timing import median_cuda_ms
 
 CASES = ((1, 32768), (1, 131072), (16, 131072))
 HEADS, KV_HEADS, HEAD_DIM = 64, 4, 128
@@ -33,17 +33,7 @@ def graph_replay_us(fn, repeats: int = 50, flush_bytes: int = 256 << 20) -> floa
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    flush = torch.empty(flush_bytes, dtype=torch.uint8, device="cuda")
-    times = []
-    for _ in range(repeats):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return median_cuda_ms(graph.replay, repeats, flush_bytes) * 1e3
 
 
 def run(cases=CASES) -> list:

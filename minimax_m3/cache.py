@@ -199,7 +199,11 @@ class MiniMaxM3Cache(Cache):
     def _grow(self, needed: int) -> None:
         pages = -(-needed // self.page_size)
         capacity = max(pages * self.page_size, 2 * self.capacity)
-        capacity = -(-capacity // self.page_size) * self.page_size
+        self._move_to_capacity(-(-capacity // self.page_size) * self.page_size)
+
+    def _move_to_capacity(self, capacity: int) -> None:
+        """Every store re-allocated with ``capacity`` tokens per sequence, the cached ones copied (the block table
+        follows: it is keyed by the pages)."""
         for layer in self.layers:
             for name, tensor in layer.tensors():
                 grown = tensor.new_zeros(tensor.shape[0], capacity, *tensor.shape[2:])
@@ -271,15 +275,8 @@ class MiniMaxM3StaticCache(MiniMaxM3Cache):
         """Give the cache a larger fixed capacity between generations (``generate`` continuing it for more tokens
         than it holds): its tensors move, once, and decode graphs captured on it are captured again."""
         capacity = -(-max_cache_len // self.page_size) * self.page_size
-        if capacity <= self.capacity:
-            return
-        for layer in self.layers:
-            for name, tensor in layer.tensors():
-                grown = tensor.new_zeros(tensor.shape[0], capacity, *tensor.shape[2:])
-                grown[:, : tensor.shape[1]] = tensor
-                setattr(layer, name, grown)
-        self.capacity = capacity
-        self._block_table_key = None
+        if capacity > self.capacity:
+            self._move_to_capacity(capacity)
 
     def _take_sequences(self, index: torch.Tensor) -> None:
         """In place, so every tensor keeps its address; the batch size cannot change."""

@@ -141,6 +141,7 @@ class PageSelector:
         self.config = config
         self._wrappers: Dict[torch.device, BatchPrefillIndexerQ8KV8Wrapper] = {}
         self._score_storage: Dict[torch.device, torch.Tensor] = {}
+        self._step_plan_key = None  # what a decode step's plan was built for (``_plan_step``)
 
     def indexer_backends(self) -> set:
         """The indexer backends (``"torch"``/``"cute"``) that served the last plan on each device (empty before one)."""
@@ -183,9 +184,8 @@ class PageSelector:
     def _plan_step(self, wrapper, block_table, step: DecodeStep, device) -> None:
         """A decode step's plan: built once from the step's buffers with the cache's capacity as its bound (which
         allocates), then re-planned on the device from their current values (what a CUDA graph replays)."""
-        planned_for = getattr(self, "_step_plan_key", None)
         key = (device, step.kv_lengths.data_ptr(), block_table.data_ptr(), step.capacity)
-        if planned_for == key:
+        if self._step_plan_key == key:
             wrapper.replan()
             return
         pages = step.capacity // self.config.index_block_size
