@@ -97,9 +97,9 @@ def variants():
 
 
 def run_compile_check(kernel_variants, description: str, argv=None, *, tvm_ffi: bool = True) -> int:
-    """Compile each ``(name, kernel, arguments, required_wgmma_kind)`` for sm_90a, print the table, return the exit
-    status (shared by ``python -m indexer.compile_check`` and the model package's kernel check). ``tvm_ffi``: with
-    the runtime's TVM-FFI calling convention (the indexer's kernels) or the classic one (the model's)."""
+    """Compile each ``(name, kernel, arguments, required_wgmma_kind[, tvm_ffi])`` for sm_90a, print the table, return
+    the exit status (shared by ``python -m indexer.compile_check`` and the model package's kernel check). ``tvm_ffi``
+    (a variant's own fifth element overrides it): with the runtime's TVM-FFI calling convention or the classic one."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--dump-dir", default=None, help="keep the PTX here (default: a temporary folder)")
     args = parser.parse_args(argv)
@@ -109,10 +109,10 @@ def run_compile_check(kernel_variants, description: str, argv=None, *, tvm_ffi: 
     print(f"nvidia-cutlass-dsl {importlib.metadata.version('nvidia-cutlass-dsl')}, target sm_90a, PTX in {root}")
     failures = []
     rows = []
-    for name, kernel, arguments, required_wgmma in kernel_variants:
+    for name, kernel, arguments, required_wgmma, *convention in kernel_variants:
         start = time.perf_counter()
         try:
-            ptx = _ptx_text(_compile(kernel, arguments, root / name, tvm_ffi))
+            ptx = _ptx_text(_compile(kernel, arguments, root / name, convention[0] if convention else tvm_ffi))
         except Exception as error:  # report every variant, then fail
             failures.append(f"{name}: compile failed: {error}")
             rows.append((name, "FAILED", "-", "-", "-"))

@@ -1,7 +1,7 @@
-"""Compile the model's CuTe DSL kernel (SM90 sparse attention) for sm_90a without a GPU:
-``python -m minimax_m3.compile_check``.
+"""Compile the model's CuTe DSL kernels (SM90 sparse attention: prefill and split-KV decode) for sm_90a without a
+GPU: ``python -m minimax_m3.compile_check``.
 
-Prints the wgmma kinds in its PTX (``bf16.bf16``) and, when ``ptxas`` is on PATH, registers and spills; exits
+Prints the wgmma kinds in their PTX (``bf16.bf16``) and, when ``ptxas`` is on PATH, registers and spills; exits
 non-zero on a compile failure, spills, serialised wgmmas or a setmaxnreg budget beyond the launch allocation.
 """
 
@@ -13,10 +13,12 @@ from indexer.compile_check import run_compile_check
 
 
 def variants():
-    from .kernels.signatures import sparse_attention_fake_arguments
+    from .kernels.signatures import sparse_attention_fake_arguments, sparse_decode_attention_arguments
     from .kernels.sparse_attention_sm90 import SparseAttentionSm90
 
     yield ("sparse_attention_sm90_g16", SparseAttentionSm90(16), sparse_attention_fake_arguments(), "bf16.bf16")
+    yield ("sparse_decode_attention_sm90_g16", SparseAttentionSm90(16, decode=True), sparse_decode_attention_arguments(),
+           "bf16.bf16", True)
 
 
 def main(argv=None) -> int:

@@ -87,6 +87,7 @@ class DecodeGraph:
         """The captured work: lengths from the position buffer, then the model body on the token buffer."""
         self.step.kv_lengths.copy_(self.positions + 1)
         self.metadata.planned_devices.clear()  # the step's selector re-plans once per step (recorded once)
+        self.metadata.derived.clear()  # and the shared per-forward tensors are recomputed from this step's buffers
         return self.model._decode_step_body(self.input_ids, self.cache, self.metadata)
 
     def _load_inputs(self, input_ids: torch.Tensor) -> None:

@@ -49,7 +49,13 @@ class MiniMaxM3RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None):
+    def forward(self, x: torch.Tensor, cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None,
+                index_dtype: Optional[str] = None):
+        if index_dtype is not None:  # the index path: normed, rotated, then cast (``to_index_dtype``)
+            if fuse(x):
+                return compiled("norm_rope_and_cast", _norm_rope_and_cast_math)(x, self.weight, self.eps, cos, sin,
+                                                                                index_dtype)
+            return _norm_rope_and_cast_math(x, self.weight, self.eps, cos, sin, index_dtype)
         if cos is not None:
             if fuse(x):
                 # one compiled kernel: the eager version makes ~10 passes over the [T, 64, 128] queries (fp32
@@ -84,6 +90,10 @@ def norm_and_rope(norm: MiniMaxM3RMSNorm, x: torch.Tensor, cos: torch.Tensor, si
 
 def _norm_and_rope_math(x, weight, eps: float, cos, sin):
     return apply_partial_rope(gemma_rms_norm(x, weight, eps), cos, sin)
+
+
+def _norm_rope_and_cast_math(x, weight, eps: float, cos, sin, index_dtype: str):
+    return to_index_dtype(apply_partial_rope(gemma_rms_norm(x, weight, eps), cos, sin), index_dtype)
 
 
 def _rope_config(config: MiniMaxM3Config):
@@ -265,16 +275,18 @@ class MiniMaxM3Attention(nn.Module):
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         return q, k, v
 
-    def index_query_key(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def index_query_key(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index_dtype: Optional[str] = None):
         """The indexer's ``q [T, index_n_heads, index_head_dim]`` and ``k [T, index_head_dim]`` of a sparse layer, in
-        the model dtype (Gemma norm, partial RoPE), before the cast to ``index_dtype``: differentiable, for training
-        the indexer; the forward pass casts them with ``to_index_dtype``."""
+        the model dtype (Gemma norm, partial RoPE): differentiable, for training the indexer. With ``index_dtype``
+        (the forward pass: ``config.index_dtype``) they come cast by ``to_index_dtype``, fused with the norm."""
         if not self.is_sparse:
             raise ValueError(f"layer {self.layer_idx} is a full-attention layer: it has no indexer")
         c = self.config
         tokens = x.shape[0]
-        index_q = norm_and_rope(self.index_q_norm, self.index_q_proj(x).view(tokens, c.index_n_heads, c.index_head_dim), cos, sin)
-        index_k = norm_and_rope(self.index_k_norm, self.index_k_proj(x).view(tokens, 1, c.index_head_dim), cos, sin)[:, 0]
+        index_q = self.index_q_norm(self.index_q_proj(x).view(tokens, c.index_n_heads, c.index_head_dim), cos, sin,
+                                    index_dtype=index_dtype)
+        index_k = self.index_k_norm(self.index_k_proj(x).view(tokens, 1, c.index_head_dim), cos, sin,
+                                    index_dtype=index_dtype)[:, 0]
         return index_q, index_k
 
     def forward(self, x, cos, sin, cache: MiniMaxM3Cache, metadata: ForwardMetadata, page_selector: PageSelector):
@@ -289,9 +301,7 @@ class MiniMaxM3Attention(nn.Module):
             # the selection is discrete, so no gradient reaches the indexer through it (it trains on a KL of its
             # scores, through index_query_key); without a graph the index path also stays off autograd under training
             with torch.no_grad():
-                index_q, index_k = self.index_query_key(x, cos, sin)
-                index_q = to_index_dtype(index_q, c.index_dtype)
-                index_k = to_index_dtype(index_k, c.index_dtype)
+                index_q, index_k = self.index_query_key(x, cos, sin, index_dtype=c.index_dtype)
                 cache.write("index_keys", self.layer_idx, index_k, metadata.batch_index, metadata.positions)
                 if c.attention_mode == "sparse":
                     selection = page_selector.select(

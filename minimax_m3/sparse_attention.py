@@ -14,7 +14,7 @@ import torch
 
 from indexer import BatchPrefillIndexerQ8KV8Wrapper, score_row_pitch
 
-from .sparse_attention_cute import cute_sparse_attention_supported, sparse_attention_cute
+from .sparse_attention_cute import cute_sparse_attention_supported, own_cache_slots, sparse_attention_cute
 
 __all__ = [
     "ForwardMetadata",
@@ -65,6 +65,7 @@ class ForwardMetadata:
     planned_devices: set = field(default_factory=set)
     staged_lengths: dict = field(default_factory=dict)  # device -> int32 [query starts..., total, kv lengths...]
     step: Optional[DecodeStep] = None
+    derived: dict = field(default_factory=dict)  # tensors every layer of the forward shares (``cache_slots``)
 
     @property
     def total_tokens(self) -> int:
@@ -84,7 +85,17 @@ class ForwardMetadata:
             planned_devices=self.planned_devices,
             staged_lengths=self.staged_lengths,
             step=self.step,
+            derived=self.derived,
         )
+
+    def cache_slots(self, capacity: int) -> torch.Tensor:
+        """``[T]`` int32: each token's row in its layer's flattened cache ``[batch * capacity]``, built once per
+        forward and device (a decode graph clears ``derived`` per step, so its replay recomputes it)."""
+        key = ("cache_slots", self.batch_index.device, capacity)
+        slots = self.derived.get(key)
+        if slots is None:
+            slots = self.derived[key] = own_cache_slots(self.batch_index, self.positions, capacity)
+        return slots
 
     def device_lengths(self, device):
         """``(query starts with the total appended, kv lengths)`` as int32 tensors on ``device``. The model stages

@@ -3,21 +3,31 @@ query tile, validation, compile cache and launch. Registered as the ``"cute"`` s
 
 The kernel reads K/V straight from the positional cache ``[batch, capacity, kv_heads, dim]`` (physical page ``p`` of
 sequence ``b`` is cache rows ``(b * capacity + 128 p) ...``), so nothing is gathered or copied per layer.
+
+Forwards of at most ``DECODE_MAX_QUERY_LENGTH`` new tokens per sequence (decode and verify steps) take the kernel's
+split-KV variant: it reads the selection as it is (no union is built, so no sort), splits each tile's pages over
+CTAs and ``split_kv.merge_split_outputs`` combines the splits. Its cost follows the selected pages at any batch:
+a tile's 8 tokens then come from 8 sequences, whose union is 8 x 16 pages that one CTA would walk alone.
 """
 
 from __future__ import annotations
 
 import torch
 
-from indexer.cute_runtime import as_cute_tensor, compile_once, cute_stream, dsl_available
+from indexer.cute_runtime import as_cute_tensor, compile_once, compile_tvm_ffi, cute_stream, dsl_available, sm_count
 
-__all__ = ["cute_sparse_attention_supported", "page_unions", "own_cache_slots", "sparse_attention_cute"]
+from .split_kv import merge_split_outputs
+
+__all__ = ["cute_sparse_attention_supported", "page_unions", "own_cache_slots", "sparse_attention_cute",
+           "sparse_decode_attention_cute", "decode_splits", "DECODE_MAX_QUERY_LENGTH"]
 
 _PAGE_SIZE = 128
 _HEAD_DIM = 128
 _TILE_ROWS = 128
 _HEADS_PER_GROUP = 16
 _UNION_PAGE_LIMIT = 1 << 24
+DECODE_MAX_QUERY_LENGTH = 16
+"""Forwards with at most this many new tokens per sequence take the split-KV decode kernel."""
 
 
 def cute_sparse_attention_supported(q: torch.Tensor, keys: torch.Tensor, page_size: int) -> bool:
@@ -84,6 +94,9 @@ def sparse_attention_cute(q, keys, values, selection, metadata, *, scale: float,
     pages_per_sequence = capacity // page_size
     if capacity % page_size or batch * capacity >= 2**31 or batch * pages_per_sequence >= _UNION_PAGE_LIMIT:
         raise ValueError(f"the cache [{batch}, {capacity}] must hold whole pages, fewer than 2^31 slots and 2^24 pages")
+    if q.shape[0] and max(metadata.query_lengths) <= DECODE_MAX_QUERY_LENGTH:
+        return sparse_decode_attention_cute(q, keys, values, selection, metadata.cache_slots(capacity), scale=scale,
+                                            out=out)
     if out is None:
         out = torch.empty_like(q)
     if q.shape[0] == 0:
@@ -91,7 +104,7 @@ def sparse_attention_cute(q, keys, values, selection, metadata, *, scale: float,
     group = q.shape[1] // num_kv_heads
     tokens_per_tile = _TILE_ROWS // group
     union, count = page_unions(selection, metadata.batch_index, pages_per_sequence, tokens_per_tile)
-    own_slots = own_cache_slots(metadata.batch_index, metadata.positions, capacity)
+    own_slots = metadata.cache_slots(capacity)
     q = q.contiguous()
     with torch.cuda.device(q.device):
         arguments = (
@@ -99,6 +112,7 @@ def sparse_attention_cute(q, keys, values, selection, metadata, *, scale: float,
             as_cute_tensor(keys.view(batch * capacity, num_kv_heads, head_dim), leading_dim=2, align=16),
             as_cute_tensor(values.view(batch * capacity, num_kv_heads, head_dim), leading_dim=2, align=16),
             as_cute_tensor(out, leading_dim=2, align=16),
+            None,
             as_cute_tensor(union, leading_dim=2, align=4),
             as_cute_tensor(count, leading_dim=1, align=4),
             as_cute_tensor(own_slots, leading_dim=0, align=4),
@@ -108,6 +122,43 @@ def sparse_attention_cute(q, keys, values, selection, metadata, *, scale: float,
                                                                                    stream))
         kernel(*arguments, scale, stream)
     return out
+
+
+def decode_splits(num_tokens: int, num_kv_heads: int, topk: int, num_sms: int) -> int:
+    """Splits per (tile, KV group) of the decode kernel: enough CTAs for every SM, at least one page each."""
+    tiles = -(-num_tokens // (_TILE_ROWS // _HEADS_PER_GROUP))
+    width = min(num_tokens, _TILE_ROWS // _HEADS_PER_GROUP) * topk
+    splits = max(1, min(width, -(-num_sms // (tiles * num_kv_heads))))
+    chunk = -(-width // splits)
+    return -(-width // chunk)
+
+
+def sparse_decode_attention_cute(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, selection: torch.Tensor,
+                                 own_slots: torch.Tensor, *, scale: float, out: torch.Tensor = None) -> torch.Tensor:
+    """``sparse_attention_cute`` by the split-KV decode kernel: ``q [T, H, 128]`` bf16 over the cache ``[B, C, KV,
+    128]``, ``selection [T, KV, topk]`` logical page ids of each token's sequence (``-1``, or a page beyond the
+    capacity: skipped), ``own_slots [T]`` int32 each token's flattened cache slot (``own_cache_slots``)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[2]
+    selection = selection.to(torch.int32).contiguous()
+    splits = decode_splits(num_tokens, num_kv_heads, selection.shape[2], sm_count(q.device))
+    partial = torch.empty(num_tokens, splits, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(num_tokens, splits, num_heads, dtype=torch.float32, device=q.device)
+    with torch.cuda.device(q.device):
+        kernel = compile_once(("sparse_decode_attention_sm90", num_heads, num_kv_heads, selection.shape[2]),
+                              lambda: _compile_decode(num_heads, num_kv_heads, selection.shape[2]))
+    kernel(q.contiguous(), keys, values, partial, lse, selection, None, own_slots, scale)
+    merged = merge_split_outputs(partial, lse, q.dtype)
+    if out is None:
+        return merged
+    return out.copy_(merged)
+
+
+def _compile_decode(num_heads: int, num_kv_heads: int, topk: int):
+    from .kernels.signatures import sparse_decode_attention_arguments
+
+    kernel = _kernel_class()(num_heads // num_kv_heads, decode=True)
+    return compile_tvm_ffi(kernel, sparse_decode_attention_arguments(num_heads, num_kv_heads, _HEAD_DIM, topk))
 
 
 def _compile(kernel, arguments, scale, stream):

@@ -86,3 +86,52 @@ def test_repeat_runs_are_bitwise_identical_and_auto_picks_the_kernel():
     assert resolve_auto_implementation(trainable, keys, PAGE) == "flex"  # the kernel has no backward
     with pytest.raises(ValueError, match="forward-only"):
         sparse_attention_cute(trainable, keys, values, selection, metadata, scale=DIM ** -0.5, page_size=PAGE)
+
+
+def _guarded(like: torch.Tensor, guard: int = 4096):
+    """A NaN buffer with ``like``'s shape in its middle and NaN guard regions of ``guard`` elements either side."""
+    storage = torch.full((guard + like.numel() + guard,), float("nan"), dtype=like.dtype, device=like.device)
+    return storage, storage[guard : guard + like.numel()].view(like.shape)
+
+
+@pytest.mark.parametrize("query_lengths, kv_lengths", [
+    ([1] * 16, [1, 127, 128, 129, 1000, 2047, 2048, 4000, 8191, 8192, 300, 5555, 6000, 7000, 7777, 64]),  # decode, B=16
+    ([1], [8192]),  # decode, batch 1
+    ([4, 2, 16], [4000, 2, 8192]),  # verify steps: a tile's tokens share a sequence (and pages)
+])
+def test_decode_kernel_matches_the_reference_on_random_selections(query_lengths, kv_lengths):
+    """The split-KV decode variant (forwards of at most 16 new tokens per sequence): random contract selections
+    (the local page and up to 15 random earlier ones, -1 padded), out written into a NaN buffer whose guard regions
+    must stay NaN."""
+    from minimax_m3.sparse_attention_cute import DECODE_MAX_QUERY_LENGTH
+
+    assert max(query_lengths) <= DECODE_MAX_QUERY_LENGTH
+    generator = torch.Generator().manual_seed(4)
+    q, keys, values, metadata = _batch(query_lengths, kv_lengths, generator, capacity=8192)
+    selection = _contract_selection(metadata.positions.cpu(), KV_HEADS, generator).cuda()
+    storage, out = _guarded(q)
+    got = sparse_attention_cute(q, keys, values, selection, metadata, scale=DIM ** -0.5, page_size=PAGE, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    expected = sparse_attention_reference(q, keys, values, selection, metadata, scale=DIM ** -0.5, page_size=PAGE)
+    assert torch.isfinite(out.float()).all(), "rows left unwritten or non-finite"
+    assert torch.isnan(storage[:4096].float()).all() and torch.isnan(storage[-4096:].float()).all(), "guard written"
+    error = (out.float() - expected.float()).abs().max().item()
+    assert error <= 2e-2, f"max |cute decode - reference| = {error}"
+
+
+def test_decode_kernel_skips_page_ids_beyond_the_sequence():
+    """Selection entries past the cache's pages of a sequence (or -1) read nothing: the result equals the
+    selection without them, and no other sequence's page is read."""
+    generator = torch.Generator().manual_seed(5)
+    q, keys, values, metadata = _batch([1, 1], [3000, 8000], generator, capacity=8192)
+    selection = _contract_selection(metadata.positions.cpu(), KV_HEADS, generator).cuda()
+    keys[0, 3000:] = float("nan")  # the first sequence's slots past its length
+    without = selection.clone()
+    without[0, :, :2] = -1  # two history pages of the first sequence dropped
+    clean = sparse_attention_cute(q, keys, values, without, metadata, scale=DIM ** -0.5, page_size=PAGE)
+    assert torch.isfinite(clean.float()).all()
+    poisoned = selection.clone()
+    poisoned[0, :, 0] = 64  # one past the sequence's 64 pages: the next sequence's first page in the cache
+    poisoned[0, :, 1] = 1 << 20
+    got = sparse_attention_cute(q, keys, values, poisoned, metadata, scale=DIM ** -0.5, page_size=PAGE)
+    assert torch.equal(got, clean)

@@ -1,6 +1,6 @@
-"""The dynamic-shape signature the sparse-attention kernel is compiled for, shared by the CPU compile check and
-the runtime so both build exactly the same kernel type: the token count, cache size and union width are dynamic;
-the head counts and the head dim are static (they are the model's)."""
+"""The dynamic-shape signatures the sparse-attention kernels are compiled for, shared by the CPU compile check and
+the runtime so both build exactly the same kernel types: token counts, cache sizes, union widths and split counts are
+dynamic; the head counts and the head dim are static (they are the model's)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,42 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-__all__ = ["sparse_attention_fake_arguments"]
+__all__ = ["sparse_attention_fake_arguments", "sparse_decode_attention_arguments"]
+
+SCALE = 0.08838834764831845
+
+
+def _bf16_rows(tokens, num_heads: int, head_dim: int):
+    return make_fake_tensor(cutlass.BFloat16, (tokens, num_heads, head_dim), (num_heads * head_dim, head_dim, 1),
+                            assumed_align=16)
 
 
 def sparse_attention_fake_arguments(num_heads: int = 64, num_kv_heads: int = 4, head_dim: int = 128):
-    """Fake (compile-time) tensors for ``SparseAttentionSm90.__call__``, in its argument order."""
+    """Fake (compile-time) tensors for ``SparseAttentionSm90(decode=False).__call__``, in its argument order."""
     tokens, slots, tiles = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
-    q = make_fake_tensor(cutlass.BFloat16, (tokens, num_heads, head_dim), (num_heads * head_dim, head_dim, 1), assumed_align=16)
-    k = make_fake_tensor(cutlass.BFloat16, (slots, num_kv_heads, head_dim), (num_kv_heads * head_dim, head_dim, 1), assumed_align=16)
-    v = make_fake_tensor(cutlass.BFloat16, (slots, num_kv_heads, head_dim), (num_kv_heads * head_dim, head_dim, 1), assumed_align=16)
-    o = make_fake_tensor(cutlass.BFloat16, (tokens, num_heads, head_dim), (num_heads * head_dim, head_dim, 1), assumed_align=16)
+    q = _bf16_rows(tokens, num_heads, head_dim)
+    k = _bf16_rows(slots, num_kv_heads, head_dim)
+    v = _bf16_rows(slots, num_kv_heads, head_dim)
+    o = _bf16_rows(tokens, num_heads, head_dim)
     union = make_fake_tensor(cutlass.Int32, (tiles, num_kv_heads, cute.sym_int32()), (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
     count = make_fake_tensor(cutlass.Int32, (tiles, num_kv_heads), (num_kv_heads, 1), assumed_align=4)
     own_slot = make_fake_tensor(cutlass.Int32, (tokens,), (1,), assumed_align=4)
-    return q, k, v, o, union, count, own_slot, cutlass.Float32(0.08838834764831845), make_fake_stream()
+    return q, k, v, o, None, union, count, own_slot, cutlass.Float32(SCALE), make_fake_stream()
+
+
+def sparse_decode_attention_arguments(num_heads: int = 64, num_kv_heads: int = 4, head_dim: int = 128, topk: int = 16):
+    """Fake tensors for ``SparseAttentionSm90(decode=True).__call__`` (compiled for TVM-FFI calls: the stream is
+    torch's current one): the cache as ``[batch, capacity, kv_heads, dim]``, the split outputs ``[T, splits, ...]``
+    and the selection ``[T, kv_heads, topk]``."""
+    tokens, batch, capacity, splits = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    q = _bf16_rows(tokens, num_heads, head_dim)
+    cache_strides = (cute.sym_int64(divisibility=8), num_kv_heads * head_dim, head_dim, 1)
+    k = make_fake_tensor(cutlass.BFloat16, (batch, capacity, num_kv_heads, head_dim), cache_strides, assumed_align=16)
+    v = make_fake_tensor(cutlass.BFloat16, (batch, capacity, num_kv_heads, head_dim), cache_strides, assumed_align=16)
+    o = make_fake_tensor(cutlass.Float32, (tokens, splits, num_heads, head_dim),
+                         (cute.sym_int64(), num_heads * head_dim, head_dim, 1), assumed_align=16)
+    lse = make_fake_tensor(cutlass.Float32, (tokens, splits, num_heads), (cute.sym_int64(), num_heads, 1), assumed_align=4)
+    selection = make_fake_tensor(cutlass.Int32, (tokens, num_kv_heads, topk), (num_kv_heads * topk, topk, 1), assumed_align=4)
+    own_slot = make_fake_tensor(cutlass.Int32, (tokens,), (1,), assumed_align=4)
+    return (q, k, v, o, lse, selection, None, own_slot, cutlass.Float32(SCALE),
+            make_fake_stream(use_tvm_ffi_env_stream=True))

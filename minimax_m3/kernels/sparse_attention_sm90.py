@@ -13,6 +13,12 @@ by TMA, addressed by physical page, into a multi-stage ring); warpgroups 1 and 2
 and causal bound, updates the online softmax in registers and accumulates ``O += P V`` (P from registers,
 V from shared memory, MN-major). The two consumer warpgroups interleave on the tensor cores. The epilogue
 normalises and stores bf16 rows of real tokens; rows of tokens past the end are never written.
+
+``decode=True`` is the split-KV variant for decode and verify steps (a few new tokens per sequence): a CTA reads
+its entries straight from the indexer's selection ``[T, G, topk]`` (entry ``i`` of a tile is page ``i % topk`` of
+its token ``i // topk``, so no union is built), a third grid dimension splits each tile's entries into chunks, and
+the CTA writes fp32 rows normalised over its chunk with their log-sum-exp, which ``split_kv.merge_split_outputs``
+combines. A tile's tokens then come from different sequences; each entry is one token's page.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ high byte set when the tile's token ``i`` selected the page."""
 UNION_TOKEN_SHIFT = UNION_PAGE_BITS
 _PAGE_MASK = (1 << UNION_PAGE_BITS) - 1
 _LOG2_E = math.log2(math.e)
+_LN_2 = math.log(2.0)
 
 
 class WarpRole(enum.IntEnum):
@@ -56,7 +63,7 @@ class SparseAttentionSm90:
     consumer_warpgroups = 2
     heads_per_warp = 16
 
-    def __init__(self, heads_per_group: int, *, kv_stages: int = 2):
+    def __init__(self, heads_per_group: int, *, decode: bool = False, kv_stages: int = 2):
         if heads_per_group != self.heads_per_warp:
             # a warp's 16 accumulator rows are then exactly one token: the per-row masks and the per-warpgroup page
             # skip rely on it (M3: 64 query heads over 4 KV heads)
@@ -64,6 +71,7 @@ class SparseAttentionSm90:
         if not 2 <= kv_stages <= 3:
             raise ValueError(f"kv_stages must be 2 or 3, got {kv_stages}")
         self.heads_per_group = heads_per_group
+        self.decode = decode
         self.tokens_per_tile = self.tile_rows // heads_per_group
         self.tokens_per_warpgroup = 64 // heads_per_group
         self.kv_stages = kv_stages
@@ -85,18 +93,26 @@ class SparseAttentionSm90:
     def __call__(
         self,
         mQ: cute.Tensor,  # (T, num_heads, 128) bf16, contiguous
-        mK: cute.Tensor,  # (slots, num_kv_heads, 128) bf16: the cache [batch * capacity, kv heads, dim]
+        mK: cute.Tensor,  # the cache: (slots, num_kv_heads, 128) bf16; decode: (batch, capacity, num_kv_heads, 128)
         mV: cute.Tensor,  # like mK
-        mO: cute.Tensor,  # like mQ
-        mUnion: cute.Tensor,  # (tiles, num_kv_heads, width) int32 union entries
-        mUnionCount: cute.Tensor,  # (tiles, num_kv_heads) int32
+        mO: cute.Tensor,  # like mQ; decode: (T, splits, num_heads, 128) fp32 rows normalised over their split
+        mLSE: cute.Tensor,  # decode: (T, splits, num_heads) fp32 natural log-sum-exp of each split row; else unused
+        mEntries: cute.Tensor,  # (tiles, num_kv_heads, width) int32 union entries; decode: (T, num_kv_heads, topk)
+        mEntryCount: cute.Tensor,  # (tiles, num_kv_heads) int32 union entries in use; decode: unused
         mOwnSlot: cute.Tensor,  # (T,) int32: the token's own cache slot (physical page * 128 + position % 128)
         softmax_scale: cutlass.Float32,
         stream,
     ):
         num_tokens = mQ.shape[0]
-        num_kv_heads = mK.shape[1]
         num_heads = mQ.shape[1]
+        num_kv_heads = mK.shape[cute.rank(mK) - 2]
+        slots = mK.shape[0]
+        capacity = cutlass.Int32(0)
+        splits = 1
+        if cutlass.const_expr(self.decode):
+            slots = mK.shape[0] * mK.shape[1]
+            capacity = mK.shape[1]
+            splits = mO.shape[1]
         # Rows (token, head of the group) of KV group g: a hierarchical mode ((heads, tokens), dim, group).
         q_layout = cute.make_layout(
             ((self.heads_per_group, num_tokens), self.head_dim, num_kv_heads),
@@ -104,7 +120,7 @@ class SparseAttentionSm90:
         )
         mQ_rows = cute.make_tensor(mQ.iterator, q_layout)
         kv_layout = cute.make_layout(
-            (mK.shape[0], self.head_dim, num_kv_heads), stride=(num_kv_heads * self.head_dim, 1, self.head_dim)
+            (slots, self.head_dim, num_kv_heads), stride=(num_kv_heads * self.head_dim, 1, self.head_dim)
         )
         mK_pages = cute.make_tensor(mK.iterator, kv_layout)
         mV_pages = cute.make_tensor(mV.iterator, kv_layout)
@@ -139,12 +155,14 @@ class SparseAttentionSm90:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
 
         self.shared_storage = SharedStorage
-        num_tiles = mUnion.shape[0]
+        num_tiles = mEntries.shape[0]
+        if cutlass.const_expr(self.decode):
+            num_tiles = (num_tokens + self.tokens_per_tile - 1) // self.tokens_per_tile
         self.kernel(
-            tma_atom_q, mQ_tma, tma_atom_k, mK_tma, tma_atom_v, mV_tma, mO, mUnion, mUnionCount, mOwnSlot,
-            softmax_scale * _LOG2_E, tiled_mma_qk, tiled_mma_pv, sQ_layout, sKV_layout,
+            tma_atom_q, mQ_tma, tma_atom_k, mK_tma, tma_atom_v, mV_tma, mO, mLSE, mEntries, mEntryCount, mOwnSlot,
+            capacity, softmax_scale * _LOG2_E, tiled_mma_qk, tiled_mma_pv, sQ_layout, sKV_layout,
         ).launch(
-            grid=(num_tiles, num_kv_heads, 1),
+            grid=(num_tiles, num_kv_heads, splits),
             block=(self.threads_per_cta, 1, 1),
             min_blocks_per_mp=1,
             stream=stream,
@@ -160,9 +178,11 @@ class SparseAttentionSm90:
         tma_atom_v: cute.CopyAtom,
         mV: cute.Tensor,
         mO: cute.Tensor,
-        mUnion: cute.Tensor,
-        mUnionCount: cute.Tensor,
+        mLSE: cute.Tensor,
+        mEntries: cute.Tensor,
+        mEntryCount: cute.Tensor,
         mOwnSlot: cute.Tensor,
+        capacity: cutlass.Int32,
         scale_log2: cutlass.Float32,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
@@ -172,7 +192,7 @@ class SparseAttentionSm90:
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
-        tile, group, _ = cute.arch.block_idx()
+        tile, group, split = cute.arch.block_idx()
 
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom_q)
@@ -188,24 +208,63 @@ class SparseAttentionSm90:
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         pipeline.pipeline_init_wait()
 
-        page_count = mUnionCount[tile, group]
+        entry_begin, entry_end = self._entry_range(mEntries, mEntryCount, mO, tile, group, split)
         if warpgroup_idx == WarpRole.PRODUCER:
             cute.arch.warpgroup_reg_dealloc(self.producer_registers)
             if warp_idx == 0:
-                self.load(tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV, mUnion,
-                          q_pipeline, kv_pipeline, tile, group, page_count)
+                self.load(tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV, mEntries, mOwnSlot, capacity,
+                          q_pipeline, kv_pipeline, tile, group, entry_begin, entry_end)
         else:
             cute.arch.warpgroup_reg_alloc(self.consumer_registers)
-            self.attend(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, mO, mUnion, mOwnSlot, scale_log2,
-                        q_pipeline, kv_pipeline, tidx - self.threads_per_warpgroup, tile, group, page_count)
+            self.attend(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, mO, mLSE, mEntries, mOwnSlot, capacity, scale_log2,
+                        q_pipeline, kv_pipeline, tidx - self.threads_per_warpgroup, tile, group, split,
+                        entry_begin, entry_end)
+
+    @cute.jit
+    def _entry_range(self, mEntries, mEntryCount, mO, tile, group, split):
+        """The entries ``[begin, end)`` this CTA walks: the tile's whole union, or (decode) its split's chunk of the
+        tile's ``tokens x topk`` selection entries."""
+        begin = cutlass.Int32(0)
+        end = cutlass.Int32(0)
+        if cutlass.const_expr(self.decode):
+            tokens = cutlass.min(mEntries.shape[0] - tile * self.tokens_per_tile, self.tokens_per_tile)
+            width = tokens * mEntries.shape[2]
+            splits = mO.shape[1]
+            chunk = (width + splits - 1) // splits
+            begin = cutlass.min(split * chunk, width)
+            end = cutlass.min(begin + chunk, width)
+        else:
+            end = mEntryCount[tile, group]
+        return begin, end
+
+    @cute.jit
+    def _entry(self, mEntries, mOwnSlot, capacity, tile, group, index):
+        """``(physical page, token bits)`` of entry ``index``; token bits 0: nothing to read (decode: an unused
+        selection slot, ``-1`` or a page beyond the sequence's capacity)."""
+        physical_page = cutlass.Int32(0)
+        token_bits = cutlass.Int32(0)
+        if cutlass.const_expr(self.decode):
+            topk = mEntries.shape[2]
+            local_token = index // topk
+            token = tile * self.tokens_per_tile + local_token
+            pages_per_sequence = capacity // self.page_size
+            logical_page = mEntries[token, group, index - local_token * topk]
+            if logical_page >= 0 and logical_page < pages_per_sequence:
+                physical_page = (mOwnSlot[token] // capacity) * pages_per_sequence + logical_page
+                token_bits = cutlass.Int32(1) << local_token
+        else:
+            entry = mEntries[tile, group, index]
+            physical_page = entry & _PAGE_MASK
+            token_bits = (entry >> UNION_TOKEN_SHIFT) & 0xFF
+        return physical_page, token_bits
 
     def _ring(self, barriers, stages: int, stage_bytes: int):
         consumer_warps = self.consumer_warpgroups * self.threads_per_warpgroup // 32
         return make_tma_pipeline(barriers, stages, stage_bytes, consumer_warps)
 
     @cute.jit
-    def load(self, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV, mUnion,
-             q_pipeline, kv_pipeline, tile, group, page_count):
+    def load(self, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV, mEntries, mOwnSlot, capacity,
+             q_pipeline, kv_pipeline, tile, group, entry_begin, entry_end):
         gQ = cute.local_tile(mQ[None, None, group], (self.tile_rows, self.head_dim), (tile, 0))
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
@@ -223,21 +282,32 @@ class SparseAttentionSm90:
             tma_atom_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
-        physical_page = mUnion[tile, group, 0] & _PAGE_MASK
-        for index in cutlass.range(page_count, unroll=1):
-            # the next entry's load hides behind this page's TMA
-            next_physical_page = mUnion[tile, group, cutlass.min(index + 1, page_count - 1)] & _PAGE_MASK
-            kv_pipeline.producer_acquire(kv_state)
-            barrier = kv_pipeline.producer_get_barrier(kv_state)
-            cute.copy(tma_atom_k, tKgK[(None, physical_page)], tKsK[(None, kv_state.index)], tma_bar_ptr=barrier)
-            cute.copy(tma_atom_v, tVgV[(None, physical_page)], tVsV[(None, kv_state.index)], tma_bar_ptr=barrier)
-            kv_state.advance()
-            physical_page = next_physical_page
+        if cutlass.const_expr(self.decode):
+            for index in cutlass.range(entry_begin, entry_end, unroll=1):
+                physical_page, token_bits = self._entry(mEntries, mOwnSlot, capacity, tile, group, index)
+                if token_bits != 0:
+                    kv_pipeline.producer_acquire(kv_state)
+                    barrier = kv_pipeline.producer_get_barrier(kv_state)
+                    cute.copy(tma_atom_k, tKgK[(None, physical_page)], tKsK[(None, kv_state.index)], tma_bar_ptr=barrier)
+                    cute.copy(tma_atom_v, tVgV[(None, physical_page)], tVsV[(None, kv_state.index)], tma_bar_ptr=barrier)
+                    kv_state.advance()
+        else:
+            page_count = entry_end
+            physical_page = mEntries[tile, group, 0] & _PAGE_MASK
+            for index in cutlass.range(page_count, unroll=1):
+                # the next entry's load hides behind this page's TMA
+                next_physical_page = mEntries[tile, group, cutlass.min(index + 1, page_count - 1)] & _PAGE_MASK
+                kv_pipeline.producer_acquire(kv_state)
+                barrier = kv_pipeline.producer_get_barrier(kv_state)
+                cute.copy(tma_atom_k, tKgK[(None, physical_page)], tKsK[(None, kv_state.index)], tma_bar_ptr=barrier)
+                cute.copy(tma_atom_v, tVgV[(None, physical_page)], tVsV[(None, kv_state.index)], tma_bar_ptr=barrier)
+                kv_state.advance()
+                physical_page = next_physical_page
         kv_pipeline.producer_tail(kv_state)
 
     @cute.jit
-    def attend(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, mO, mUnion, mOwnSlot, scale_log2,
-               q_pipeline, kv_pipeline, consumer_tidx, tile, group, page_count):
+    def attend(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, mO, mLSE, mEntries, mOwnSlot, capacity, scale_log2,
+               q_pipeline, kv_pipeline, consumer_tidx, tile, group, split, entry_begin, entry_end):
         thr_mma_qk = tiled_mma_qk.get_slice(consumer_tidx)
         thr_mma_pv = tiled_mma_pv.get_slice(consumer_tidx)
         tSrQ = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))
@@ -270,42 +340,45 @@ class SparseAttentionSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         q_pipeline.consumer_wait(q_state)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-        for index in cutlass.range(page_count, unroll=1):
-            entry = mUnion[tile, group, index]
-            token_bits = (entry >> UNION_TOKEN_SHIFT) & 0xFF
-            physical_page = entry & _PAGE_MASK
-            kv_pipeline.consumer_wait(kv_state)
-            if token_bits & warpgroup_tokens:
-                acc_S = cute.make_rmem_tensor(tScS.shape, cutlass.Float32)
-                warpgroup.fence()
-                mma_qk = cute.make_mma_atom(tiled_mma_qk.op)
-                for k_block in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                    mma_qk.set(warpgroup.Field.ACCUMULATE, k_block != 0)
-                    cute.gemm(mma_qk, acc_S, tSrQ[(None, None, k_block)], tSrK[(None, None, k_block, kv_state.index)], acc_S)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
+        for index in cutlass.range(entry_begin, entry_end, unroll=1):
+            physical_page, token_bits = self._entry(mEntries, mOwnSlot, capacity, tile, group, index)
+            if token_bits != 0:
+                kv_pipeline.consumer_wait(kv_state)
+                if token_bits & warpgroup_tokens:
+                    acc_S = cute.make_rmem_tensor(tScS.shape, cutlass.Float32)
+                    warpgroup.fence()
+                    mma_qk = cute.make_mma_atom(tiled_mma_qk.op)
+                    for k_block in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                        mma_qk.set(warpgroup.Field.ACCUMULATE, k_block != 0)
+                        cute.gemm(mma_qk, acc_S, tSrQ[(None, None, k_block)], tSrK[(None, None, k_block, kv_state.index)], acc_S)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
 
-                first_limit = self._visible_limit(token_bits, local_tokens[0], own_slots[0], physical_page)
-                second_limit = self._visible_limit(token_bits, local_tokens[1], own_slots[1], physical_page)
-                max_first, sum_first = self._online_softmax(
-                    acc_S, acc_O, 0, first_limit, lane_column, max_first, sum_first, scale_log2
-                )
-                max_second, sum_second = self._online_softmax(
-                    acc_S, acc_O, 1, second_limit, lane_column, max_second, sum_second, scale_log2
-                )
-                for i in cutlass.range_constexpr(cute.size(tOrP)):
-                    tOrP[i] = acc_S[i].to(self.dtype)
-                warpgroup.fence()
-                mma_pv = cute.make_mma_atom(tiled_mma_pv.op)
-                mma_pv.set(warpgroup.Field.ACCUMULATE, True)
-                for k_block in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-                    cute.gemm(mma_pv, acc_O, tOrP[(None, None, k_block)], tOrVt[(None, None, k_block, kv_state.index)], acc_O)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-            kv_pipeline.consumer_release(kv_state)
-            kv_state.advance()
+                    first_limit = self._visible_limit(token_bits, local_tokens[0], own_slots[0], physical_page)
+                    second_limit = self._visible_limit(token_bits, local_tokens[1], own_slots[1], physical_page)
+                    max_first, sum_first = self._online_softmax(
+                        acc_S, acc_O, 0, first_limit, lane_column, max_first, sum_first, scale_log2
+                    )
+                    max_second, sum_second = self._online_softmax(
+                        acc_S, acc_O, 1, second_limit, lane_column, max_second, sum_second, scale_log2
+                    )
+                    for i in cutlass.range_constexpr(cute.size(tOrP)):
+                        tOrP[i] = acc_S[i].to(self.dtype)
+                    warpgroup.fence()
+                    mma_pv = cute.make_mma_atom(tiled_mma_pv.op)
+                    mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+                    for k_block in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                        cute.gemm(mma_pv, acc_O, tOrP[(None, None, k_block)], tOrVt[(None, None, k_block, kv_state.index)], acc_O)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                kv_pipeline.consumer_release(kv_state)
+                kv_state.advance()
         q_pipeline.consumer_release(q_state)
-        self._store(acc_O, (sum_first, sum_second), tOcO, mO, token_begin, group, num_tokens, lane_column)
+        if cutlass.const_expr(self.decode):
+            self._store_split(acc_O, (sum_first, sum_second), (max_first, max_second), tOcO, mO, mLSE, token_begin,
+                              group, split, num_tokens, lane_column)
+        else:
+            self._store(acc_O, (sum_first, sum_second), tOcO, mO, token_begin, group, num_tokens, lane_column)
 
     @cute.jit
     def _visible_limit(self, token_bits, local_token, own_slot, physical_page):
@@ -370,3 +443,28 @@ class SparseAttentionSm90:
                     for pair in cutlass.range_constexpr(2):
                         v = pair + 2 * half + 4 * column_group
                         mO[token, head, 8 * column_group + lane_column + pair] = (acc_O[v] * inverse).to(self.dtype)
+
+    @cute.jit
+    def _store_split(self, acc_O, row_sum, row_max, tOcO, mO, mLSE, token_begin, group, split, num_tokens,
+                     lane_column):
+        """Decode: write this thread's two rows normalised over the split (fp32) and their natural log-sum-exp
+        (``-inf`` and zeros for a row that saw no key in this split)."""
+        for half in cutlass.range_constexpr(2):
+            total = row_sum[half]
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+            inverse = cutlass.Float32(0.0)
+            log_sum_exp = -cutlass.Float32.inf
+            if total > 0.0:
+                inverse = 1.0 / total
+                log_sum_exp = (row_max[half] + cute.math.log2(total, fastmath=True)) * _LN_2
+            row = tOcO[2 * half][0]
+            token = token_begin + row // self.heads_per_group
+            head = group * self.heads_per_group + row % self.heads_per_group
+            if token < num_tokens:
+                for column_group in cutlass.range_constexpr(cute.size(acc_O) // 4):
+                    for pair in cutlass.range_constexpr(2):
+                        v = pair + 2 * half + 4 * column_group
+                        mO[token, split, head, 8 * column_group + lane_column + pair] = acc_O[v] * inverse
+                if lane_column == 0:
+                    mLSE[token, split, head] = log_sum_exp
