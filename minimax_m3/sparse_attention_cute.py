@@ -19,7 +19,7 @@ from indexer.cute_runtime import as_cute_tensor, compile_once, compile_tvm_ffi, 
 from .split_kv import merge_split_outputs
 
 __all__ = ["cute_sparse_attention_supported", "page_unions", "own_cache_slots", "sparse_attention_cute",
-           "sparse_decode_attention_cute", "decode_splits", "DECODE_MAX_QUERY_LENGTH"]
+           "sparse_decode_attention_cute", "sparse_union_attention_cute", "decode_splits", "DECODE_MAX_QUERY_LENGTH"]
 
 _PAGE_SIZE = 128
 _HEAD_DIM = 128
@@ -97,10 +97,19 @@ def sparse_attention_cute(q, keys, values, selection, metadata, *, scale: float,
     if q.shape[0] and max(metadata.query_lengths) <= DECODE_MAX_QUERY_LENGTH:
         return sparse_decode_attention_cute(q, keys, values, selection, metadata.cache_slots(capacity), scale=scale,
                                             out=out)
+    return sparse_union_attention_cute(q, keys, values, selection, metadata, scale=scale, out=out)
+
+
+def sparse_union_attention_cute(q, keys, values, selection, metadata, *, scale: float,
+                                out: torch.Tensor = None) -> torch.Tensor:
+    """``sparse_attention_cute`` by the page-union kernel, whatever the query lengths (inputs as
+    ``sparse_attention_cute`` validates them): what prefills and chunks take."""
     if out is None:
         out = torch.empty_like(q)
     if q.shape[0] == 0:
         return out
+    batch, capacity, num_kv_heads, head_dim = keys.shape
+    pages_per_sequence = capacity // _PAGE_SIZE
     group = q.shape[1] // num_kv_heads
     tokens_per_tile = _TILE_ROWS // group
     union, count = page_unions(selection, metadata.batch_index, pages_per_sequence, tokens_per_tile)
