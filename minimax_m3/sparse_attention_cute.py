@@ -146,9 +146,17 @@ def sparse_decode_attention_cute(q: torch.Tensor, keys: torch.Tensor, values: to
                                  own_slots: torch.Tensor, *, scale: float, out: torch.Tensor = None) -> torch.Tensor:
     """``sparse_attention_cute`` by the split-KV decode kernel: ``q [T, H, 128]`` bf16 over the cache ``[B, C, KV,
     128]``, ``selection [T, KV, topk]`` logical page ids of each token's sequence (``-1``, or a page beyond the
-    capacity: skipped), ``own_slots [T]`` int32 each token's flattened cache slot (``own_cache_slots``)."""
+    capacity: skipped), ``own_slots [T]`` int32 each token's flattened cache slot in ``[0, B * C)``
+    (``own_cache_slots``). Shapes, dtypes and devices are checked here; the geometry by ``sparse_attention_cute``."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[2]
+    if (selection.dim() != 3 or selection.shape[:2] != (num_tokens, num_kv_heads)
+            or selection.dtype not in (torch.int32, torch.int64) or selection.device != q.device):
+        raise ValueError(f"selection must be integer [tokens={num_tokens}, kv_heads={num_kv_heads}, topk] on "
+                         f"{q.device}, got {tuple(selection.shape)} {selection.dtype} on {selection.device}")
+    if own_slots.shape != (num_tokens,) or own_slots.dtype != torch.int32 or own_slots.device != q.device:
+        raise ValueError(f"own_slots must be int32 [tokens={num_tokens}] on {q.device}, got {tuple(own_slots.shape)} "
+                         f"{own_slots.dtype} on {own_slots.device}")
     selection = selection.to(torch.int32).contiguous()
     splits = decode_splits(num_tokens, num_kv_heads, selection.shape[2], sm_count(q.device))
     partial = torch.empty(num_tokens, splits, num_heads, head_dim, dtype=torch.float32, device=q.device)

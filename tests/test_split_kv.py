@@ -58,3 +58,19 @@ def test_decode_splits_fill_the_sms_with_at_least_one_page_each():
         width = min(tokens, 8) * 16
         chunk = -(-width // splits)
         assert (splits - 1) * chunk < width  # no split is empty
+
+
+def test_the_decode_path_names_a_bad_selection_or_own_slots_before_any_launch():
+    from minimax_m3.sparse_attention_cute import sparse_decode_attention_cute
+
+    q = torch.zeros(3, 64, 128, dtype=torch.bfloat16)
+    keys = torch.zeros(2, 256, 4, 128, dtype=torch.bfloat16)
+    slots = torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="selection must be integer"):
+        sparse_decode_attention_cute(q, keys, keys, torch.zeros(3, 2, 16, dtype=torch.int32), slots, scale=0.1)
+    with pytest.raises(ValueError, match="selection must be integer"):
+        sparse_decode_attention_cute(q, keys, keys, torch.zeros(3, 4, 16), slots, scale=0.1)
+    with pytest.raises(ValueError, match="own_slots must be int32"):
+        sparse_decode_attention_cute(q, keys, keys, torch.zeros(3, 4, 16, dtype=torch.int32), slots.long(), scale=0.1)
+    with pytest.raises(ValueError, match="own_slots must be int32"):
+        sparse_decode_attention_cute(q, keys, keys, torch.zeros(3, 4, 16, dtype=torch.int32), slots[:2], scale=0.1)
