@@ -15,7 +15,8 @@ from typing import Iterator
 from minimax_m3 import MiniMaxM3Config
 from minimax_m3.sparse_attention import PageSelector
 
-__all__ = ["MODE_SETTINGS", "NATIVE_MODE", "ALL_MODES", "set_attention_mode", "attention_mode", "indexer_backends_in_use"]
+__all__ = ["MODE_SETTINGS", "NATIVE_MODE", "ALL_MODES", "set_attention_mode", "attention_mode", "indexer_backends_in_use",
+           "forward_over_cache"]
 
 MODE_SETTINGS = {
     "sparse": {"attention_mode": "sparse", "indexer_backend": "auto"},
@@ -73,3 +74,19 @@ def indexer_backends_in_use(model) -> list:
     resolved to; empty before a sparse forward."""
     selector = getattr(getattr(model, "model", None), "page_selector", None)
     return sorted(selector.indexer_backends()) if selector is not None else []
+
+
+def forward_over_cache(model, input_ids, state: dict, *, native: bool) -> None:
+    """One no-grad forward of new tokens over ``state["cache"]``, keeping the last position's logits. Our model
+    extends its cache in place; transformers' native model (``native``) returns its cache, which replaces the
+    state's (``None`` there starts a new one)."""
+    import torch
+
+    from minimax_m3.modeling_minimax_m3 import CACHE_FIELD
+
+    with torch.no_grad():
+        if native:
+            output = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{CACHE_FIELD: state["cache"]})
+            state["cache"] = getattr(output, CACHE_FIELD)
+        else:
+            model(input_ids=input_ids, past_key_values=state["cache"], use_cache=True, logits_to_keep=1)

@@ -48,7 +48,7 @@ import torch
 
 from .decode import FILLS, WARMUP_STEPS, decode_table, measure_decode
 from .turns import measure_turns, turns_table
-from .modes import ALL_MODES, MODE_SETTINGS, NATIVE_MODE, indexer_backends_in_use, set_attention_mode
+from .modes import ALL_MODES, MODE_SETTINGS, NATIVE_MODE, forward_over_cache, indexer_backends_in_use, set_attention_mode
 from .report import default_output_path, environment, format_number, format_table, plot_throughput, write_json
 from .stats import spread
 from .timing import peak_memory_gib, release_memory, reset_peak_memory, time_steps
@@ -196,7 +196,6 @@ def prefill_steps(model, workload: Workload, input_ids: torch.Tensor, native: bo
         return [fresh]
 
     from minimax_m3 import MiniMaxM3Cache
-    from minimax_m3.modeling_minimax_m3 import CACHE_FIELD
 
     state = {"cache": None}
     if not native:
@@ -205,16 +204,7 @@ def prefill_steps(model, workload: Workload, input_ids: torch.Tensor, native: bo
         state["cache"].reserve([workload.length] * workload.batch_size)
 
     def chunk(begin: int, end: int) -> Callable[[], None]:
-        def run():
-            with torch.no_grad():
-                if native:
-                    output = model(input_ids=input_ids[:, begin:end], use_cache=True, logits_to_keep=1,
-                                   **{CACHE_FIELD: state["cache"]})
-                    state["cache"] = getattr(output, CACHE_FIELD)
-                else:
-                    model(input_ids=input_ids[:, begin:end], past_key_values=state["cache"], use_cache=True,
-                          logits_to_keep=1)
-        return run
+        return lambda: forward_over_cache(model, input_ids[:, begin:end], state, native=native)
 
     return [chunk(b, min(b + workload.chunk_size, workload.length)) for b in range(0, workload.length, workload.chunk_size)]
 

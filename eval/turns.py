@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .modes import forward_over_cache
 from .report import format_table, timing_cells
 from .stats import spread
 from .timing import peak_memory_gib, release_memory, reset_peak_memory, time_steps
@@ -22,27 +23,13 @@ __all__ = ["turn_steps", "measure_turns", "turns_table"]
 def turn_steps(model, prompt: torch.Tensor, workload, *, native: bool) -> list:
     """Prefill the prefix (``prompt[:, :length]``), then return one callable per turn."""
     from minimax_m3 import MiniMaxM3StaticCache
-    from minimax_m3.modeling_minimax_m3 import CACHE_FIELD
 
     prefix = workload.length
-    state = {"cache": None}
-    with torch.no_grad():
-        if native:
-            state["cache"] = getattr(model(input_ids=prompt[:, :prefix], use_cache=True, logits_to_keep=1), CACHE_FIELD)
-        else:
-            state["cache"] = MiniMaxM3StaticCache(model.config, max_cache_len=prompt.shape[1])
-            model(input_ids=prompt[:, :prefix], past_key_values=state["cache"], logits_to_keep=1)
+    state = {"cache": None if native else MiniMaxM3StaticCache(model.config, max_cache_len=prompt.shape[1])}
+    forward_over_cache(model, prompt[:, :prefix], state, native=native)
 
     def turn(begin: int, end: int) -> Callable[[], None]:
-        def run():
-            with torch.no_grad():
-                if native:
-                    output = model(input_ids=prompt[:, begin:end], use_cache=True, logits_to_keep=1,
-                                   **{CACHE_FIELD: state["cache"]})
-                    state["cache"] = getattr(output, CACHE_FIELD)
-                else:
-                    model(input_ids=prompt[:, begin:end], past_key_values=state["cache"], logits_to_keep=1)
-        return run
+        return lambda: forward_over_cache(model, prompt[:, begin:end], state, native=native)
 
     size = workload.chunk_size
     return [turn(prefix + i * size, prefix + (i + 1) * size) for i in range(workload.steps)]

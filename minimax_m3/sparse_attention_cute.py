@@ -74,6 +74,13 @@ def page_unions(selection: torch.Tensor, batch_index: torch.Tensor, pages_per_se
     return entries.contiguous(), first.sum(-1).to(torch.int32).contiguous()
 
 
+def _check_selection(selection: torch.Tensor, q: torch.Tensor, num_kv_heads: int) -> None:
+    if (selection.dim() != 3 or selection.shape[:2] != (q.shape[0], num_kv_heads)
+            or selection.dtype not in (torch.int32, torch.int64) or selection.device != q.device):
+        raise ValueError(f"selection must be integer [tokens={q.shape[0]}, kv_heads={num_kv_heads}, topk] on "
+                         f"{q.device}, got {tuple(selection.shape)} {selection.dtype} on {selection.device}")
+
+
 def sparse_attention_cute(q, keys, values, selection, metadata, *, scale: float, page_size: int,
                           out: torch.Tensor = None) -> torch.Tensor:
     """The same attention as ``sparse_attention_reference``, by the SM90 kernel (bf16, fp32 softmax)."""
@@ -88,9 +95,7 @@ def sparse_attention_cute(q, keys, values, selection, metadata, *, scale: float,
     batch, capacity, num_kv_heads, head_dim = keys.shape
     if values.shape != keys.shape or not keys.is_contiguous() or not values.is_contiguous():
         raise ValueError(f"keys and values must be contiguous caches of one shape, got {tuple(keys.shape)} and {tuple(values.shape)}")
-    if selection.dtype not in (torch.int32, torch.int64) or selection.shape[:2] != (q.shape[0], num_kv_heads):
-        raise ValueError(f"selection must be integer [tokens={q.shape[0]}, kv_heads={num_kv_heads}, topk], got "
-                         f"{tuple(selection.shape)} {selection.dtype}")
+    _check_selection(selection, q, num_kv_heads)
     pages_per_sequence = capacity // page_size
     if capacity % page_size or batch * capacity >= 2**31 or batch * pages_per_sequence >= _UNION_PAGE_LIMIT:
         raise ValueError(f"the cache [{batch}, {capacity}] must hold whole pages, fewer than 2^31 slots and 2^24 pages")
@@ -147,13 +152,11 @@ def sparse_decode_attention_cute(q: torch.Tensor, keys: torch.Tensor, values: to
     """``sparse_attention_cute`` by the split-KV decode kernel: ``q [T, H, 128]`` bf16 over the cache ``[B, C, KV,
     128]``, ``selection [T, KV, topk]`` logical page ids of each token's sequence (``-1``, or a page beyond the
     capacity: skipped), ``own_slots [T]`` int32 each token's flattened cache slot in ``[0, B * C)``
-    (``own_cache_slots``). Shapes, dtypes and devices are checked here; the geometry by ``sparse_attention_cute``."""
+    (``own_cache_slots``). Shapes, dtypes and devices of ``selection`` and ``own_slots`` are checked here; the
+    geometry by ``sparse_attention_cute``."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[2]
-    if (selection.dim() != 3 or selection.shape[:2] != (num_tokens, num_kv_heads)
-            or selection.dtype not in (torch.int32, torch.int64) or selection.device != q.device):
-        raise ValueError(f"selection must be integer [tokens={num_tokens}, kv_heads={num_kv_heads}, topk] on "
-                         f"{q.device}, got {tuple(selection.shape)} {selection.dtype} on {selection.device}")
+    _check_selection(selection, q, num_kv_heads)
     if own_slots.shape != (num_tokens,) or own_slots.dtype != torch.int32 or own_slots.device != q.device:
         raise ValueError(f"own_slots must be int32 [tokens={num_tokens}] on {q.device}, got {tuple(own_slots.shape)} "
                          f"{own_slots.dtype} on {own_slots.device}")

@@ -429,15 +429,10 @@ class SparseAttentionSm90:
     def _store(self, acc_O, row_sum, tOcO, mO, token_begin, group, num_tokens, lane_column):
         """Normalise and write this thread's two rows (tokens past the end are skipped)."""
         for half in cutlass.range_constexpr(2):
-            total = row_sum[half]
-            total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
-            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+            total, token, head = self._row(row_sum, tOcO, half, token_begin, group)
             inverse = cutlass.Float32(0.0)
             if total > 0.0:
                 inverse = 1.0 / total
-            row = tOcO[2 * half][0]
-            token = token_begin + row // self.heads_per_group
-            head = group * self.heads_per_group + row % self.heads_per_group
             if token < num_tokens:
                 for column_group in cutlass.range_constexpr(cute.size(acc_O) // 4):
                     for pair in cutlass.range_constexpr(2):
@@ -450,17 +445,12 @@ class SparseAttentionSm90:
         """Decode: write this thread's two rows normalised over the split (fp32) and their natural log-sum-exp
         (``-inf`` and zeros for a row that saw no key in this split)."""
         for half in cutlass.range_constexpr(2):
-            total = row_sum[half]
-            total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
-            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+            total, token, head = self._row(row_sum, tOcO, half, token_begin, group)
             inverse = cutlass.Float32(0.0)
             log_sum_exp = -cutlass.Float32.inf
             if total > 0.0:
                 inverse = 1.0 / total
                 log_sum_exp = (row_max[half] + cute.math.log2(total, fastmath=True)) * _LN_2
-            row = tOcO[2 * half][0]
-            token = token_begin + row // self.heads_per_group
-            head = group * self.heads_per_group + row % self.heads_per_group
             if token < num_tokens:
                 for column_group in cutlass.range_constexpr(cute.size(acc_O) // 4):
                     for pair in cutlass.range_constexpr(2):
@@ -468,3 +458,12 @@ class SparseAttentionSm90:
                         mO[token, split, head, 8 * column_group + lane_column + pair] = acc_O[v] * inverse
                 if lane_column == 0:
                     mLSE[token, split, head] = log_sum_exp
+
+    @cute.jit
+    def _row(self, row_sum, tOcO, half: cutlass.Constexpr, token_begin, group):
+        """``(softmax denominator over the row's quad of threads, token, query head)`` of this thread's row ``half``."""
+        total = row_sum[half]
+        total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+        total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+        row = tOcO[2 * half][0]
+        return total, token_begin + row // self.heads_per_group, group * self.heads_per_group + row % self.heads_per_group
