@@ -2,7 +2,7 @@
 
 It compiles exactly the kernels the runtime can select (``cute_backend.kernel_keys``: the FP8 score kernel with TMA
 stores and with the masked write-out and the exact bf16 one, each for H = 1, 2, 4; the top-k select with one and
-four warps per row), under the runtime's options, and prints the wgmma instruction kinds found in the PTX and, when ``ptxas`` is on PATH, the registers and spill bytes it reports.
+four warps per row; the one-CTA task plan), under the runtime's options, and prints the wgmma instruction kinds found in the PTX and, when ``ptxas`` is on PATH, the registers and spill bytes it reports.
 Exits non-zero if a kernel fails to compile, a score variant lacks its wgmma kind, ptxas reports
 spills or serialised wgmmas in a score kernel, or a setmaxnreg budget exceeds the launch allocation.
 """
@@ -77,11 +77,13 @@ def _register_budget_error(kernel, ptx: str, usage):
 
 
 def kernel_name(key) -> str:
-    from .cute_backend import ScoreKernelKey
+    from .cute_backend import PlanKernelKey, ScoreKernelKey
 
     if isinstance(key, ScoreKernelKey):
         store = "exact" if key.exact else ("tma_stores" if key.tma_stores else "masked_stores")
         return f"page_scores_sm90_h{key.num_heads}_{store}"
+    if isinstance(key, PlanKernelKey):
+        return "task_plan"
     return f"topk_select_{key.warps_per_row}_warps_per_row"
 
 

@@ -27,6 +27,8 @@ __all__ = [
     "score_kernel_key",
     "topk_kernel_key",
     "TOPK_ROW_SPLIT_MAX_ROWS",
+    "PlanKernelKey",
+    "plan_kernel_serves",
 ]
 
 FP8_TILE_ROWS = 256
@@ -42,6 +44,15 @@ cuts by four. The selection is the same bit for bit. Measured on the H200 (docs/
 pages 8.3 -> 5.3 µs, 1,649 rows over 1,059 pages 12.4 -> 10.8 µs; at 6,504 rows (H = 4) the split was slower (16.1 ->
 19.9 µs: one warp per row already fills the SMs)."""
 
+PLAN_KERNEL_MAX_REQUESTS = 1024
+PLAN_KERNEL_MAX_TILES = 1024
+"""The plan kernel's shared-memory tables: requests and q tiles of a plan it serves."""
+PLAN_KERNEL_MAX_ROWS = 1 << 16
+PLAN_KERNEL_MAX_RANK_STEPS = 1 << 22
+"""Score rows (``num_valid_pages``) and task x tile rank steps of a plan the one CTA serves; beyond them (long
+prefills) the plan's torch ops, which a CUDA graph replays, spread the work over the GPU."""
+
+
 @dataclass(frozen=True)
 class ScoreKernelKey:
     num_heads: int
@@ -55,13 +66,18 @@ class TopkKernelKey:
     warps_per_row: int
 
 
-KernelKey = Union[ScoreKernelKey, TopkKernelKey]
+@dataclass(frozen=True)
+class PlanKernelKey:
+    """The one-CTA task-plan kernel (``kernels.plan_build``): no static configuration."""
+
+
+KernelKey = Union[ScoreKernelKey, TopkKernelKey, PlanKernelKey]
 
 
 def kernel_keys(num_ctas: int = 132) -> list:
     """Every kernel the runtime can select on a GPU of ``num_ctas`` SMs, production choices first."""
     keys = [ScoreKernelKey(num_heads, exact=False, tma_stores=True, num_ctas=num_ctas) for num_heads in (1, 2, 4)]
-    keys += [TopkKernelKey(1), TopkKernelKey(4)]
+    keys += [TopkKernelKey(1), TopkKernelKey(4), PlanKernelKey()]
     keys += [ScoreKernelKey(num_heads, exact=False, tma_stores=False, num_ctas=num_ctas) for num_heads in (1, 2, 4)]
     keys += [ScoreKernelKey(num_heads, exact=True, tma_stores=False, num_ctas=num_ctas) for num_heads in (1, 2, 4)]
     return keys
@@ -76,6 +92,10 @@ def build_kernel(key: KernelKey):
 
         return (PageScoreKernelSm90(key.num_heads, exact=key.exact, tma_stores=key.tma_stores, num_ctas=key.num_ctas),
                 signatures.score_kernel_arguments(key.num_heads, key.exact, key.tma_stores))
+    if isinstance(key, PlanKernelKey):
+        from .kernels.plan_build import TaskPlanKernel
+
+        return TaskPlanKernel(), signatures.plan_kernel_arguments()
     from .kernels.topk_select import TopkSelectKernel
 
     return TopkSelectKernel(warps_per_row=key.warps_per_row), signatures.topk_kernel_arguments()
@@ -84,6 +104,14 @@ def build_kernel(key: KernelKey):
 def compiled_kernel(key: KernelKey):
     """The TVM-FFI function of ``key`` on the current device, compiled on first use (never inside graph capture)."""
     return compile_once(("indexer", key), lambda: compile_tvm_ffi(*build_kernel(key)))
+
+
+def plan_kernel_serves(shape) -> bool:
+    """Whether the one-CTA plan kernel builds this plan shape (``kernels.plan_build``): decode steps and short
+    chunks, whose plans are small; its output is ``planner.build_task_plan``'s, bit for bit."""
+    return (shape.num_requests <= PLAN_KERNEL_MAX_REQUESTS and shape.q_tile_capacity <= PLAN_KERNEL_MAX_TILES
+            and shape.total_q * shape.num_heads <= PLAN_KERNEL_MAX_ROWS
+            and shape.task_capacity * shape.q_tile_capacity <= PLAN_KERNEL_MAX_RANK_STEPS)
 
 
 def score_tile_rows(exact: bool) -> int:

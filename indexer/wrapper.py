@@ -115,9 +115,11 @@ class _PlanState:
     """Everything one plan shape owns on one device: the plan tensors, the score and top-k buffers when the wrapper
     owns them, the metadata copies a graph reads, and the graph once the shape repeats."""
 
-    def __init__(self, shape: PlanShape, device: torch.device, errors: torch.Tensor, num_heads: int, topk: int):
+    def __init__(self, shape: PlanShape, device: torch.device, errors: torch.Tensor, num_heads: int, topk: int,
+                 plan_kernel=None):
         self.shape = shape
         self.device = device
+        self.plan_kernel = plan_kernel  # the one-CTA plan kernel's compiled function, for a shape it serves
         self.plan = allocate_task_plan(shape, device)
         self.plan.errors = errors  # shared by the wrapper's plans: kernel words stay until check_errors()
         # the metadata a graph reads, filled by one concatenation: cu_seqlens_q, then seq_lens
@@ -144,8 +146,22 @@ class _PlanState:
         return self.own_scores
 
     def build(self, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, bounds: int) -> None:
-        """Refill the plan from the metadata: copies into the graph's inputs, then the graph's replay (from the
-        second build on), the captured ops themselves before, or, inside a caller's capture, the ops."""
+        """Refill the plan from the metadata: one launch of the plan kernel where it serves the shape; else copies
+        into the graph's inputs, then the graph's replay (from the second build on), the captured ops themselves
+        before, or, inside a caller's capture, the ops."""
+        if self.plan_kernel is not None:
+            if torch.cuda.is_current_stream_capturing():
+                self.bounds.fill_(bounds)  # part of the caller's graph: its replays set these bounds again
+                self.bounds_value = None
+            elif bounds != self.bounds_value:
+                self.bounds.fill_(bounds)
+                self.bounds_value = bounds
+            shape, plan = self.shape, self.plan
+            self.plan_kernel(cu_seqlens_q, seq_lens, self.bounds.view(torch.int32), plan.num_valid_pages,
+                             plan.descriptors, plan.num_tasks, plan.errors, shape.total_q, shape.num_heads,
+                             shape.page_size, shape.tile_tokens, shape.max_pages, shape.max_history_pages,
+                             shape.q_tile_capacity, shape.page_chunk, shape.num_sms)
+            return
         if self.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             # inside a caller's capture the fill is part of its graph: its replays set these bounds again
             self.bounds.fill_(bounds)
@@ -307,7 +323,7 @@ class BatchPrefillIndexerQ8KV8Wrapper:
         if validate:
             _raise_on_metadata_errors(cu_seqlens_q, seq_lens, bounds, shape)
         # Validated: only now replace the state of a previous plan.
-        state = self._state(shape, device)
+        state = self._state(shape, device, plan_kernel=kernel and cute_backend.plan_kernel_serves(shape))
         state.build(cu_seqlens_q, seq_lens, bounds)
         if score_out is not None:
             scores = score_out
@@ -459,14 +475,18 @@ class BatchPrefillIndexerQ8KV8Wrapper:
                 state.runner = None  # it would keep the buffer alive
             state.own_scores = None
 
-    def _state(self, shape: PlanShape, device: torch.device) -> _PlanState:
+    def _state(self, shape: PlanShape, device: torch.device, plan_kernel: bool) -> _PlanState:
         key = (device, shape.graph_key)
         state = self._states.get(key)
         if state is None:
             errors = self._errors.get(device)
             if errors is None:
                 errors = self._errors[device] = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device)
-            state = _PlanState(shape, device, errors, self.num_heads, self.topk)
+            compiled = None
+            if plan_kernel:
+                with torch.cuda.device(device):
+                    compiled = cute_backend.compiled_kernel(cute_backend.PlanKernelKey())
+            state = _PlanState(shape, device, errors, self.num_heads, self.topk, compiled)
             self._states[key] = state
             while len(self._states) > _CACHED_PLAN_SHAPES:
                 self._states.popitem(last=False)

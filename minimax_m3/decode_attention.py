@@ -7,11 +7,11 @@ new key length, about 60 ms of host time per step.
 
 Here the cache is split into chunks of ``SPLIT_KEYS`` keys; FlashAttention's variable-length kernel
 (``aten::_flash_attention_forward`` with ``seqused_k``) attends each query to each chunk, reading only the chunk's
-keys below the sequence's length, and the chunks are merged by their log-sum-exps (``split_kv``). The query heads of
-a KV group are packed as query *rows* of that KV head (16 rows of one head instead of 16 heads of one row): the
-kernel's blocks are per (row block, head), so each chunk's keys are read by one block per KV head instead of one per
-query head. Lengths are device tensors and every shape depends only on the cache's capacity, so a CUDA graph replays
-it at any length; eager steps run the same kernels.
+keys below the sequence's length (GQA native), and the chunks are merged by their log-sum-exps (``split_kv``).
+One query row per head and split, 4,096 keys per split: measured against packing a KV group's 16 heads as rows of
+its KV head, and against 256 to 4,096 keys per split, it is the fastest or within 2 % of it at batch 1 to 16 over 32K
+and 128K (H200, docs/PERFORMANCE.md). Lengths are device tensors and every shape depends only on the cache's
+capacity, so a CUDA graph replays it at any length; eager steps run the same kernels.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from .split_kv import merge_split_outputs
 
 __all__ = ["SPLIT_KEYS", "flash_decode_supported", "flash_decode"]
 
-SPLIT_KEYS = 2048
-"""Keys per chunk: a 128K-token cache gives 64 chunks per KV group, enough blocks for every SM at batch 1."""
+SPLIT_KEYS = 4096
+"""Keys per chunk: a 128K-token cache gives 32 chunks per sequence, 2,048 blocks of one query head at batch 1."""
 
 _layouts = {}
 
@@ -34,10 +34,10 @@ def flash_decode_supported(q: torch.Tensor, keys: torch.Tensor) -> bool:
             and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256)
 
 
-def _split_layout(device, batch: int, capacity: int, group: int):
+def _split_layout(device, batch: int, capacity: int):
     """``(split starts [S], cu_seqlens_q, cu_seqlens_k)`` of a cache shape: they depend on no length, so they are
     built once (before any capture: a graph's warm-up step builds them)."""
-    key = (device, batch, capacity, group)
+    key = (device, batch, capacity)
     layout = _layouts.get(key)
     if layout is None:
         splits = max(1, -(-capacity // SPLIT_KEYS))
@@ -45,7 +45,7 @@ def _split_layout(device, batch: int, capacity: int, group: int):
         split_start = torch.arange(splits, device=device, dtype=torch.int32) * chunk
         starts = (torch.arange(batch, device=device, dtype=torch.int32)[:, None] * capacity + split_start).flatten()
         cu_seqlens_k = torch.cat([starts, torch.full((1,), batch * capacity, device=device, dtype=torch.int32)])
-        cu_seqlens_q = torch.arange(batch * splits + 1, device=device, dtype=torch.int32) * group
+        cu_seqlens_q = torch.arange(batch * splits + 1, device=device, dtype=torch.int32)
         layout = _layouts[key] = (split_start, cu_seqlens_q, cu_seqlens_k)
     return layout
 
@@ -56,20 +56,15 @@ def flash_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_l
     [B, C, KV, D]`` (contiguous caches); ``[B, H, D]``."""
     batch, capacity, num_kv_heads, head_dim = keys.shape
     heads = q.shape[1]
-    group = heads // num_kv_heads
-    split_start, cu_seqlens_q, cu_seqlens_k = _split_layout(q.device, batch, capacity, group)
+    split_start, cu_seqlens_q, cu_seqlens_k = _split_layout(q.device, batch, capacity)
     splits = split_start.shape[0]
     chunk = -(-capacity // splits)
     used = (kv_lengths.to(device=q.device, dtype=torch.int32)[:, None] - split_start).clamp(0, chunk)  # [B, S]
-    # row r of KV head g in split s of sequence b: query head g * group + r
-    rows = q.view(batch, 1, num_kv_heads, group, head_dim).transpose(2, 3)
-    query = rows.expand(batch, splits, group, num_kv_heads, head_dim).reshape(-1, num_kv_heads, head_dim)
+    query = q.repeat_interleave(splits, dim=0)  # [B * S, H, D]: one query per (sequence, split)
     output, lse = torch.ops.aten._flash_attention_forward(
         query, keys.view(batch * capacity, num_kv_heads, head_dim), values.view(batch * capacity, num_kv_heads, head_dim),
-        cu_seqlens_q, cu_seqlens_k, group, chunk, 0.0, False, False, scale=scale,
+        cu_seqlens_q, cu_seqlens_k, 1, chunk, 0.0, False, False, scale=scale,
         seqused_k=used.flatten())[:2]
-    # views: output [B * S * group, KV, D] as [B, S, KV, group, D]; varlen lse [KV, B * S * group] as [B, S, KV, group]
-    partial = output.view(batch, splits, group, num_kv_heads, head_dim).transpose(2, 3)
-    lse = lse.view(num_kv_heads, batch, splits, group).permute(1, 2, 0, 3)
-    merged = merge_split_outputs(partial, lse, q.dtype, valid=used)  # an empty chunk contributes nothing
-    return merged.reshape(batch, heads, head_dim)
+    partial = output.view(batch, splits, heads, head_dim)
+    lse = lse.view(heads, batch, splits).permute(1, 2, 0)  # varlen lse: [H, B * S]
+    return merge_split_outputs(partial, lse, q.dtype, valid=used)  # an empty chunk contributes nothing

@@ -125,7 +125,7 @@ def test_generate_on_cuda_replays_graphs_by_default_with_the_eager_tokens():
 
 @pytest.mark.parametrize("batch, capacity", [(3, 5000), (1, 131072 // 16)])
 def test_flash_decode_matches_an_fp32_softmax_over_each_sequences_keys(batch, capacity):
-    """Random bf16 inputs, lengths 1, a chunk boundary (2048), one short of the capacity and the capacity itself;
+    """Random bf16 inputs, lengths 1, a chunk boundary (SPLIT_KEYS), one short of the capacity and the capacity itself;
     the cache rows past a sequence's length hold NaN, which must never be read."""
     from minimax_m3.decode_attention import SPLIT_KEYS, flash_decode
 

@@ -153,7 +153,12 @@ def test_validate_raises_before_anything_is_written_and_keeps_the_previous_plan(
 
 
 @needs_sm90
-def test_repeated_plans_replay_a_graph_without_a_sync_or_an_allocation_and_build_the_same_plan():
+@pytest.mark.parametrize("builder", ["plan kernel", "graph of torch ops"])
+def test_repeated_plans_replay_a_graph_without_a_sync_or_an_allocation_and_build_the_same_plan(builder, monkeypatch):
+    from indexer import cute_backend
+
+    if builder != "plan kernel":  # the shape is small enough for the kernel: force the torch ops
+        monkeypatch.setattr(cute_backend, "plan_kernel_serves", lambda shape: False)
     device = torch.device("cuda")
     lengths = [(900, 40000), (3, 7000), (64, 64)]
     case = make_case(lengths, num_heads=4, seed=8)
@@ -164,7 +169,10 @@ def test_repeated_plans_replay_a_graph_without_a_sync_or_an_allocation_and_build
     for _ in range(2):  # the second plan of a shape captures its graph (the host lengths may give another shape)
         wrapper.plan(cu, seq_lens, block_table, **case.plan_kwargs())
         wrapper.plan(cu, seq_lens, block_table, **case.plan_kwargs(), request_lengths=lengths)
-    assert all(state.graph is not None for state in wrapper._states.values())
+    if builder == "plan kernel":
+        assert all(state.plan_kernel is not None and state.graph is None for state in wrapper._states.values())
+    else:
+        assert all(state.graph is not None for state in wrapper._states.values())
     torch.cuda.synchronize()
     allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
     torch.cuda.set_sync_debug_mode("error")
@@ -191,12 +199,17 @@ def test_repeated_plans_replay_a_graph_without_a_sync_or_an_allocation_and_build
 
 
 @needs_sm90
-def test_plan_graphs_are_captured_and_freed_safely_among_cyclic_garbage():
+def test_plan_graphs_are_captured_and_freed_safely_among_cyclic_garbage(monkeypatch):
     """A plan's graph capture survives the garbage collector (a collection that frees a CUDA graph would end the
     capture): garbage cycles holding graphs are pending, and the collector would run on every allocation. A dropped
-    wrapper frees its own graphs at once, outside anyone's capture."""
+    wrapper frees its own graphs at once, outside anyone's capture. (Plans of the torch ops: the plan kernel would
+    serve this small shape without a graph.)"""
     import gc
     import weakref
+
+    from indexer import cute_backend
+
+    monkeypatch.setattr(cute_backend, "plan_kernel_serves", lambda shape: False)
 
     device = torch.device("cuda")
     case = make_case([(300, 9000), (40, 5000)], num_heads=1, seed=12)

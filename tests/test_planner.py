@@ -368,3 +368,17 @@ def test_snake_order_lays_out_waves_that_balance_the_round_robin():
     cost = torch.tensor([shape.tile_rows * (t["page_count"] + 2) for t in tasks], dtype=torch.float64)
     per_cta = torch.zeros(shape.num_sms, dtype=torch.float64).index_add_(0, torch.arange(len(tasks)) % shape.num_sms, cost)
     assert float(per_cta.mean() / per_cta.max()) > 0.98
+
+
+def test_the_plan_kernel_serves_decode_steps_and_short_chunks_not_long_prefills():
+    from indexer.cute_backend import plan_kernel_serves
+
+    def shape(requests, q_len, context, num_heads=4):
+        return plan_shape(num_requests=requests, total_q=requests * q_len, num_heads=num_heads, page_size=128,
+                          max_seqlen_q=q_len, max_seqlen_k=context, tile_rows=256)
+
+    assert plan_kernel_serves(shape(1, 1, 131072))
+    assert plan_kernel_serves(shape(64, 1, 131072))
+    assert plan_kernel_serves(shape(1, 2048, 131072))
+    assert not plan_kernel_serves(shape(1, 131072, 131072))  # 524,288 score rows: the torch ops
+    assert not plan_kernel_serves(shape(2000, 1, 8192))  # more requests than its tables hold

@@ -14,7 +14,7 @@ from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
 from ..contract import ERROR_WORDS
 
-__all__ = ["score_kernel_arguments", "topk_kernel_arguments"]
+__all__ = ["score_kernel_arguments", "topk_kernel_arguments", "plan_kernel_arguments"]
 
 
 def _dynamic(divisibility: int = 1):
@@ -53,3 +53,16 @@ def topk_kernel_arguments():
     num_valid_pages = make_fake_tensor(cutlass.Int32, (rows,), (1,), assumed_align=4)
     out = make_fake_tensor(cutlass.Int32, (rows, 16), (16, 1), assumed_align=4)
     return scores, num_valid_pages, out, _errors(), _stream()
+
+
+def plan_kernel_arguments():
+    """Fake arguments of ``TaskPlanKernel.__call__``, in its order: the metadata, the bounds word as two int32, the
+    plan's tensors, then the plan shape's sizes as int32 scalars."""
+    def vector():
+        return make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4)
+
+    bounds = make_fake_tensor(cutlass.Int32, (2,), (1,), assumed_align=8)
+    descriptors = make_fake_tensor(cutlass.Int32, (cute.sym_int32(), 4), (4, 1), assumed_align=16)
+    num_tasks = make_fake_tensor(cutlass.Int32, (1,), (1,), assumed_align=4)
+    sizes = tuple(cutlass.Int32(1) for _ in range(9))
+    return (vector(), vector(), bounds, vector(), descriptors, num_tasks, _errors(), *sizes, _stream())
