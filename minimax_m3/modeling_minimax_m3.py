@@ -41,8 +41,8 @@ __all__ = ["MiniMaxM3PreTrainedModel", "MiniMaxM3Model", "MiniMaxM3ForCausalLM"]
 
 class MiniMaxM3RMSNorm(nn.Module):
     """Gemma-style RMSNorm ``x_hat * (1 + w)`` in fp32; the weight stores the offset ``w`` (zeros at init). Given
-    ``cos`` / ``sin``, the normed heads are also rotated (``norm_and_rope``): inside the module's forward, so
-    offload hooks bring the weight."""
+    ``cos`` / ``sin``, the normed heads are also rotated (``norm_and_rope``); given ``residual``, ``x`` is added to
+    it first and the sum is returned too. Inside the module's forward, so offload hooks bring the weight."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -50,7 +50,11 @@ class MiniMaxM3RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None,
-                index_dtype: Optional[str] = None):
+                index_dtype: Optional[str] = None, residual: Optional[torch.Tensor] = None):
+        if residual is not None:  # a residual stream's sum and its norm: ``(residual + x, norm(residual + x))``
+            if fuse(x):
+                return compiled("add_and_norm", _add_and_norm_math)(x, residual, self.weight, self.eps)
+            return _add_and_norm_math(x, residual, self.weight, self.eps)
         if index_dtype is not None:  # the index path: normed, rotated, then cast (``to_index_dtype``)
             if fuse(x):
                 return compiled("norm_rope_and_cast", _norm_rope_and_cast_math)(x, self.weight, self.eps, cos, sin,
@@ -73,14 +77,27 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return (normed * (1.0 + weight.float())).to(x.dtype)
 
 
+def _add_and_norm_math(x, residual, weight, eps: float):
+    total = residual + x
+    return total, gemma_rms_norm(total, weight, eps)
+
+
 def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX rotate-half RoPE on the first ``2 * cos.shape[-1]`` dims of ``x [T, H, D]``; the rest untouched."""
+    """NeoX rotate-half RoPE on the first ``2 * cos.shape[-1]`` dims of ``x [T, H, D]``; the rest untouched.
+
+    Written per output dimension (its frequency, its rotation partner and the partner's sign, gathered by index)
+    rather than as halves joined by ``cat``: compiled with a norm before it, that is one kernel, where each ``cat``
+    input was a kernel of its own (4 per call, 14 per sparse layer of a decode step)."""
     half = cos.shape[-1]
-    rotated, passed = x[..., : 2 * half].float(), x[..., 2 * half :]
-    first, second = rotated[..., :half], rotated[..., half:]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    out = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1).to(x.dtype)
-    return torch.cat([out, passed], dim=-1)
+    dims = torch.arange(x.shape[-1], device=x.device)
+    first_half = dims < half
+    rotated = dims < 2 * half
+    frequency = torch.where(first_half, dims, dims - half).clamp(0, half - 1)
+    partner = torch.where(first_half, dims + half, torch.where(rotated, dims - half, dims))
+    x32 = x.float()
+    cos = cos[:, None, :][..., frequency]
+    sin = torch.where(first_half, -1.0, 1.0) * sin[:, None, :][..., frequency]
+    return torch.where(rotated, x32 * cos + x32[..., partner] * sin, x32).to(x.dtype)
 
 
 def norm_and_rope(norm: MiniMaxM3RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -208,6 +225,16 @@ class MiniMaxM3Experts(nn.Module):
         return _swiglu(self.config, gate, up)
 
 
+def route_weights(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
+    """``(expert ids, weights)`` of the router's fp32 ``logits [T, E]``: the top-``top_k`` of ``sigmoid(logits) +
+    bias``, weighted by their sigmoids renormalised to sum to ``scaling`` (compiled on CUDA: 3 kernels and the
+    top-k's 2, where eagerly each op was one)."""
+    probabilities = torch.sigmoid(logits)
+    chosen = torch.topk(probabilities + bias, top_k, dim=-1).indices
+    weights = probabilities.gather(-1, chosen)
+    return chosen, weights / weights.sum(-1, keepdim=True) * scaling
+
+
 class MiniMaxM3SparseMoeBlock(nn.Module):
     """Sigmoid router in fp32, top-k by ``p + e_score_correction_bias``, weights = renormalised ``p`` x scaling,
     plus an always-on shared expert (not scaled)."""
@@ -225,10 +252,9 @@ class MiniMaxM3SparseMoeBlock(nn.Module):
         the model dtype."""
         # through the module, so offload hooks bring its weight (fp32 as loaded: _keep_in_fp32_modules)
         logits = self.gate(x.to(self.gate.weight.dtype)).float()
-        probabilities = torch.sigmoid(logits)
-        chosen = torch.topk(probabilities + self.e_score_correction_bias.float(), self.config.num_experts_per_tok, dim=-1).indices
-        weights = probabilities.gather(-1, chosen)
-        weights = weights / weights.sum(-1, keepdim=True) * self.config.routed_scaling_factor
+        choose = compiled("route_weights", route_weights) if fuse(logits) else route_weights
+        chosen, weights = choose(logits, self.e_score_correction_bias.float(), self.config.num_experts_per_tok,
+                                 self.config.routed_scaling_factor)
         return chosen, weights, logits
 
     def forward(self, x: torch.Tensor):
@@ -336,8 +362,7 @@ class MiniMaxM3DecoderLayer(GradientCheckpointingLayer):
     def forward(self, x, cos, sin, cache, metadata, page_selector):
         """``(output, page selection or None, router logits or None)`` of packed tokens ``x [T, hidden]``."""
         attended, selection = self.self_attn(self.input_layernorm(x), cos, sin, cache, metadata, page_selector)
-        x = x + attended
-        normed = self.post_attention_layernorm(x)
+        x, normed = self.post_attention_layernorm(attended, residual=x)  # one pass on CUDA
         if hasattr(self, "mlp"):
             return x + self.mlp(normed), selection, None
         feed_forward, router_logits = self.block_sparse_moe(normed)
