@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from .devices import checked_device
 from .offline import enforce_offline
 
 __all__ = ["run_command", "main"]
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--output-dir", default=None,
                         help="where accuracy.json, throughput.json and throughput.png go (default: eval_results/eval-<time>)")
+    parser.add_argument("--overwrite", action="store_true", help="replace results already in --output-dir")
     return parser
 
 
@@ -48,7 +50,17 @@ def run_command(argv=None) -> dict:
     enforce_offline()
     if args.limit < 1:
         raise SystemExit(f"--limit must be positive, got {args.limit}")
+    checked_device(args.device)  # before the accuracy part runs anywhere else
     output_dir = Path(args.output_dir or Path("eval_results") / f"eval-{time.strftime('%Y%m%d-%H%M%S')}")
+    if output_dir.exists() and not output_dir.is_dir():
+        raise SystemExit(f"--output-dir {output_dir} is a file")
+    parts = [name for name, skipped in (("accuracy.json", args.skip_accuracy), ("throughput.json", args.skip_throughput),
+                                        ("throughput.png", args.skip_throughput)) if not skipped]
+    existing = [name for name in parts if (output_dir / name).exists()]
+    if existing and not args.overwrite:
+        raise SystemExit(f"--output-dir {output_dir} already holds {', '.join(existing)}: pass --overwrite to replace "
+                         f"them, or choose another --output-dir")
+    overwrite = ["--overwrite"] if args.overwrite else []
     print("MiniMax-M3 sparse vs dense on tiny models: accuracy on the shipped trained tiny model, throughput on the "
           "embedded random one (CPU-sized: it shows the machinery, not GPU speed)", flush=True)
     results = {}
@@ -56,13 +68,13 @@ def run_command(argv=None) -> dict:
         from . import accuracy
 
         results["accuracy"] = accuracy.run_command(["--limit", str(args.limit), "--device", args.device,
-                                             "--output", str(output_dir / "accuracy.json")])
+                                                    "--output", str(output_dir / "accuracy.json"), *overwrite])
         sys.stdout.flush()
     if not args.skip_throughput:
         from . import throughput
 
         argv_throughput = ["--preset", "embedded", "--device", args.device, "--seeds", args.seeds,
-                           "--output", str(output_dir / "throughput.json")]
+                           "--output", str(output_dir / "throughput.json"), *overwrite]
         if args.lengths:
             argv_throughput += ["--lengths", args.lengths]
         results["throughput"] = throughput.run_command(argv_throughput)

@@ -29,7 +29,8 @@ from typing import Optional, Sequence
 import torch
 
 from .offline import enforce_offline
-from .report import default_output_path, environment, format_number, format_table, write_json
+from .devices import checked_device
+from .report import checked_output_path, environment, format_number, format_table, write_json
 from .stats import paired_outcome
 
 __all__ = [
@@ -320,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="documents per task and length in that report (default: 16 on a GPU, 1 on CPU)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default=None, help="JSON results (default: eval_results/accuracy-<time>.json)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     parser.add_argument("--verbose", action="store_true", help="lm-eval's own INFO logging")
     return parser
 
@@ -347,6 +349,11 @@ def run_command(argv=None) -> dict:
         raise SystemExit(f"--limit must be positive, got {args.limit}")
     if args.retrieval_documents is not None and args.retrieval_documents < 1:
         raise SystemExit(f"--retrieval-documents must be >= 1, got {args.retrieval_documents}")
+    for name in ("batch_size", "agreement_sequences", "agreement_positions"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    device = str(checked_device(args.device))
+    output = checked_output_path(args.output, "accuracy", overwrite=args.overwrite)
     if args.model is None:
         from .trained_model import trained_model_dir
 
@@ -355,7 +362,7 @@ def run_command(argv=None) -> dict:
         model_path = None if args.model == EMBEDDED else args.model
     default_tasks = DEFAULT_TASKS_CHECKPOINT if args.model not in (None, EMBEDDED) else DEFAULT_TASKS_EMBEDDED
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else list(default_tasks)
-    model, tokenizer, description = load_for_evaluation(model_path, args.tokenizer, dtype=args.dtype, device=args.device,
+    model, tokenizer, description = load_for_evaluation(model_path, args.tokenizer, dtype=args.dtype, device=device,
                                                         device_map=args.device_map)
     result = evaluate_accuracy(
         model, tokenizer, tasks=tasks, modes=tuple(m.strip() for m in args.modes.split(",")), limit=_limit(args.limit),
@@ -379,7 +386,7 @@ def run_command(argv=None) -> dict:
     result.update(description)
     result["environment"] = environment()
     print_accuracy_report(result)
-    output = write_json(args.output or default_output_path("accuracy"), result)
+    output = write_json(output, result)
     print(f"\nresults: {output}")
     return result
 

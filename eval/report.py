@@ -4,20 +4,50 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-__all__ = ["RESULTS_DIRECTORY", "default_output_path", "format_table", "format_number", "timing_cells", "write_json",
-           "to_jsonable", "pyplot", "save_figure", "plot_throughput", "environment"]
+__all__ = ["RESULTS_DIRECTORY", "default_output_path", "checked_output_path", "format_table", "format_number",
+           "timing_cells", "write_json", "atomic_write", "to_jsonable", "pyplot", "save_figure", "plot_throughput",
+           "environment"]
 
 RESULTS_DIRECTORY = Path("eval_results")
 
 
 def default_output_path(kind: str) -> Path:
-    """``eval_results/<kind>-<local time>.json`` under the current directory (git-ignored in the repository)."""
-    return RESULTS_DIRECTORY / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    """``eval_results/<kind>-<local time>.json`` under the current directory (git-ignored in the repository), with
+    ``-2``, ``-3``, ... when a run of the same second already wrote that name: fresh per run."""
+    stem = f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, number = RESULTS_DIRECTORY / f"{stem}.json", 1
+    while path.exists() or path.with_suffix(".png").exists():
+        number += 1
+        path = RESULTS_DIRECTORY / f"{stem}-{number}.json"
+    return path
+
+
+def checked_output_path(output, kind: str, *, overwrite: bool, argument: str = "--output") -> Path:
+    """The results path of a command, checked before any work: ``default_output_path(kind)`` when ``output`` is
+    None; a directory, an existing file without ``overwrite`` or a parent that cannot be a directory raise
+    ``SystemExit`` naming ``argument``."""
+    if output is None:
+        return default_output_path(kind)
+    path = Path(output)
+    if path.is_dir():
+        raise SystemExit(f"{argument} {path} is a directory: give a file path, e.g. {path / (kind + '.json')}")
+    if path.exists() and not overwrite:
+        raise SystemExit(f"{argument} {path} exists: pass --overwrite to replace it, or choose another path")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise SystemExit(f"{argument} {path}: {parent} is a file, not a directory")
+            if not os.access(parent, os.W_OK):
+                raise SystemExit(f"{argument} {path}: {parent} is not writable")
+            break
+    return path
 
 
 def format_number(value, digits: int = 3) -> str:
@@ -76,11 +106,29 @@ def timing_cells(result: dict, decimals: int = 1) -> list:
             "-" if result.get("speedup_vs_dense") is None else f"{result['speedup_vs_dense']:.2f}x"]
 
 
-def write_json(path, payload) -> Path:
+def atomic_write(path, write) -> Path:
+    """``write(temporary_path)`` fills a temporary file next to ``path``, which then replaces ``path`` in one
+    rename: readers see the whole new file or the previous one, never a torn write, and a failure (a full disk, a
+    file-size limit, Ctrl-C) keeps what was there and leaves no temporary behind."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(to_jsonable(payload), indent=1, allow_nan=False) + "\n")
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(handle)
+    try:
+        write(Path(temporary))
+        with open(temporary, "rb") as file:
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
     return path
+
+
+def write_json(path, payload) -> Path:
+    """Strict JSON (``to_jsonable``: non-finite floats become null), written atomically."""
+    text = json.dumps(to_jsonable(payload), indent=1, allow_nan=False) + "\n"
+    return atomic_write(path, lambda temporary: temporary.write_text(text))
 
 
 def _tokens_label(tokens: int) -> str:
@@ -99,12 +147,13 @@ def pyplot():
 
 def save_figure(figure, path, dpi: int = 120) -> Path:
     """Lay out, write (creating the directory) and close ``figure``; returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     figure.tight_layout()
-    figure.savefig(path, dpi=dpi)
-    pyplot().close(figure)
-    return path
+    try:
+        # the format from the final name's suffix: the temporary one ends in .tmp
+        atomic_write(path, lambda temporary: figure.savefig(temporary, dpi=dpi, format=Path(path).suffix[1:] or "png"))
+    finally:
+        pyplot().close(figure)
+    return Path(path)
 
 
 def plot_throughput(results: Sequence[dict], path, title: Optional[str] = None) -> Optional[Path]:

@@ -49,7 +49,8 @@ import torch
 from .decode import FILLS, WARMUP_STEPS, decode_table, measure_decode
 from .turns import measure_turns, turns_table
 from .modes import ALL_MODES, MODE_SETTINGS, NATIVE_MODE, forward_over_cache, indexer_backends_in_use, set_attention_mode
-from .report import default_output_path, environment, format_number, format_table, plot_throughput, write_json
+from .report import checked_output_path, environment, format_number, format_table, plot_throughput, write_json
+from .devices import checked_device
 from .stats import spread
 from .timing import peak_memory_gib, release_memory, reset_peak_memory, time_steps
 
@@ -306,8 +307,10 @@ def sparse_layer_comparison(config, lengths: Sequence[int], spec: ModelSpec, rep
 # ------------------------------------------------------------------ the run
 def run_throughput(spec: ModelSpec, *, modes: Sequence[str], workloads: Sequence[Workload], seeds: Sequence[int],
                    warmup: int = 1, attention_lengths: Sequence[int] = (), attention_selection: str = "model",
-                   attention_repeats: int = 3, selection: str = "model") -> dict:
-    """Everything ``python -m eval.throughput`` reports, as a JSON-ready dict.
+                   attention_repeats: int = 3, selection: str = "model",
+                   on_progress: Optional[Callable[[dict], None]] = None) -> dict:
+    """Everything ``python -m eval.throughput`` reports, as a JSON-ready dict. ``on_progress`` gets the results so
+    far (the same dict, ``"partial": True``) after each workload, so an interrupted run keeps them.
 
     ``selection="clustered"`` (presets): the sparse modes' indexer runs as usual, but their attention reads
     ``minimax_m3.bench_prefill.clustered_selection``'s pages, with the locality of a trained indexer
@@ -326,8 +329,18 @@ def run_throughput(spec: ModelSpec, *, modes: Sequence[str], workloads: Sequence
     if selection == "clustered" and spec.path is not None:
         raise ValueError("selection='clustered' replaces a random-weight preset's selections; a checkpoint's indexer "
                          "selects its own pages")
+    if attention_repeats < 1:
+        raise ValueError(f"attention_repeats must be >= 1, got {attention_repeats}")
     started = time.perf_counter()
     results = []
+    header = {"kind": "throughput", "model": spec.describe(), "dtype": str(spec.dtype).replace("torch.", ""),
+              "device": str(spec.device), "modes": list(modes), "seeds": list(seeds), "warmup": warmup,
+              "selection": selection}
+
+    def report_progress():
+        if on_progress is not None:
+            on_progress({**header, "partial": True, "results": results, "seconds": time.perf_counter() - started})
+
     ours = [m for m in modes if m != NATIVE_MODE]
     total = len(modes) * len(workloads) + len(attention_lengths)
     with tqdm(total=total, desc="throughput", unit="run", file=sys.stderr, dynamic_ncols=True) as progress:
@@ -350,24 +363,20 @@ def run_throughput(spec: ModelSpec, *, modes: Sequence[str], workloads: Sequence
                     progress.set_description(f"{mode}, {workload.label}, {workload.length} x {workload.batch_size}")
                     results.append(measure(model, mode, workload, seeds, warmup, vocab_size, input_device, devices))
                     progress.update(1)
+                    report_progress()
         model = None
         release_memory()
         if NATIVE_MODE in modes:
             results += measure_native(spec, config, workloads, seeds, warmup, progress)
+            report_progress()
         config_summary = summarize_config(config)
         sparse_layer = (sparse_layer_comparison(config, attention_lengths, spec, attention_repeats, attention_selection,
                                                 progress) if attention_lengths else [])
     add_speedups(results)
     return {
-        "kind": "throughput",
-        "model": spec.describe(),
-        "dtype": str(spec.dtype).replace("torch.", ""),
-        "device": str(spec.device),
+        **header,
+        "partial": False,
         "config": config_summary,
-        "modes": list(modes),
-        "seeds": list(seeds),
-        "warmup": warmup,
-        "selection": selection,
         "results": results,
         "sparse_layer": sparse_layer,
         "sparse_layer_selection": attention_selection,
@@ -561,6 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tokens per turn (default 2048 on CUDA, 32 otherwise)")
     parser.add_argument("--turns", type=int, default=None, help="timed turns per seed (default 4 on CUDA, 2 otherwise)")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output (and its plot)")
     return parser
 
 
@@ -568,7 +578,7 @@ def resolve_arguments(args) -> dict:
     """Model spec, modes, workloads and seeds from the parsed arguments, with the no-CUDA fallback (logged)."""
     if args.preset and args.model:
         raise SystemExit("pass either --preset or --model, not both")
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    device = checked_device(args.device)
     on_gpu = device.type == "cuda"
     defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
     preset = args.preset
@@ -628,14 +638,15 @@ def resolve_arguments(args) -> dict:
         raise SystemExit("--seeds must list at least one seed")
     if args.warmup < 0:
         raise SystemExit(f"--warmup must not be negative, got {args.warmup}")
+    if args.attention_repeats < 1:
+        raise SystemExit(f"--attention-repeats must be >= 1, got {args.attention_repeats}")
     return dict(spec=spec, modes=modes, workloads=workloads, seeds=seeds, warmup=args.warmup,
                 attention_lengths=[n for n in attention_lengths if n > 0],
                 attention_selection=args.attention_selection or args.selection,
                 attention_repeats=args.attention_repeats, selection=args.selection)
 
 
-def write_outputs(result: dict, output: Optional[str], plot: bool) -> dict:
-    path = Path(output) if output else default_output_path("throughput")
+def write_outputs(result: dict, path: Path, plot: bool) -> dict:
     if plot:
         plotted = plot_throughput(result["results"], path.with_suffix(".png"),
                                   title=f"Prefill throughput, {result['model']} ({result['dtype']}, {result['device']})")
@@ -649,9 +660,24 @@ def run_command(argv=None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = build_parser().parse_args(argv)
     resolved = resolve_arguments(args)
-    result = run_throughput(**resolved)
-    result["environment"] = environment()
-    paths = write_outputs(result, args.output, plot=not args.no_plot)
+    path = checked_output_path(args.output, "throughput", overwrite=args.overwrite)
+    if not args.no_plot and path.with_suffix(".png").exists() and not args.overwrite:
+        raise SystemExit(f"the plot {path.with_suffix('.png')} exists: pass --overwrite to replace it, --no-plot, "
+                         f"or choose another --output")
+    run_environment = environment()
+    flushed = []
+
+    def flush(partial: dict) -> None:
+        flushed.append(write_json(path, {**partial, "environment": run_environment}))
+
+    try:
+        result = run_throughput(**resolved, on_progress=flush)
+    except KeyboardInterrupt:
+        saved = f"the finished workloads are in {path} (\"partial\": true)" if flushed else "no workload had finished"
+        print(f"\ninterrupted: {saved}", file=sys.stderr)
+        raise SystemExit(130) from None
+    result["environment"] = run_environment
+    paths = write_outputs(result, path, plot=not args.no_plot)
     print_throughput_report(result)
     print(f"\nresults: {paths['json']}" + (f"\nplot: {paths['plot']}" if paths["plot"] else ""))
     return result

@@ -43,6 +43,7 @@ from indexer.contract import DEFAULT_TOPK, HEAD_DIM, PAGE_SIZE
 from minimax_m3 import MiniMaxM3Config, MiniMaxM3ForCausalLM
 from minimax_m3.modeling_minimax_m3 import MiniMaxM3SparseMoeBlock
 
+from .devices import device_argument
 from .indexer_distillation import indexer_distillation_loss, indexer_parameter_names
 from .layer_inputs import capture_sparse_layer_inputs, single_pass
 from .modes import attention_mode, set_attention_mode
@@ -314,6 +315,10 @@ class Trainer:
         if self.state_path.exists() and not resume:
             raise ValueError(f"--output {self.output} already holds a training state: pass --resume to continue it "
                              f"or choose another --output")
+        if not resume and self.output.exists() and (not self.output.is_dir() or any(self.output.iterdir())):
+            held = "a file" if not self.output.is_dir() else ", ".join(sorted(p.name for p in self.output.iterdir())[:5])
+            raise ValueError(f"--output {self.output} is not empty (it holds {held}): a new run writes only into a new "
+                             f"or empty directory, so no model or log there is replaced; choose another --output")
         if resume and not self.state_path.exists():
             raise ValueError(f"--resume: no training state at {self.state_path}")
 
@@ -329,7 +334,7 @@ class Trainer:
             self._load_state()
         else:
             self.output.mkdir(parents=True, exist_ok=True)
-            self.log_path.write_text("")
+            self.log_path.touch(exist_ok=False)  # a new, empty directory: there is no log to lose
             self._log("plan", plan=asdict(plan), seed=seed,
                       parameters=sum(p.numel() for p in self.model.parameters()))
         self._log("command_start", command=list(command), device=str(device), resumed=resume,
@@ -651,20 +656,11 @@ def _parse_stages(text: str) -> tuple:
     return stages
 
 
-def _device(text: str) -> torch.device:
-    if text == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(text)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"--device {text}: CUDA is not available on this machine")
-    return device
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m eval.train_tiny", description=__doc__.splitlines()[0].replace("``", "`"))
     parser.add_argument("--output", type=Path, required=True,
                         help="directory of the exported model, the log and the resumable state (training_state/)")
-    parser.add_argument("--device", type=_device, default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    parser.add_argument("--device", type=device_argument, default="auto", help="cpu, cuda, cuda:N or auto (default)")
     parser.add_argument("--stage", type=_parse_stages, default=STAGES,
                         help="stages this command may run, e.g. 1 or 2,3 (default: all); each continues where it stopped")
     parser.add_argument("--resume", action="store_true", help="continue the run whose state is in --output")

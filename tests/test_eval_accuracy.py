@@ -76,7 +76,7 @@ def test_default_model_is_the_trained_one_with_the_retrieval_by_length_report(is
     no_network(monkeypatch)
     from eval.trained_model import trained_model_dir
 
-    output = isolated / "accuracy.json"
+    output = isolated / "accuracy-default-model.json"
     accuracy.run_command(["--limit", "2", "--agreement-length", "0", "--retrieval-lengths", "1024",
                           "--retrieval-documents", "1", "--output", str(output)])
     saved = json.loads(output.read_text())

@@ -129,6 +129,24 @@ def test_refusals(smoke_run, tmp_path):
         train_tiny.main(["--smoke", "--output", str(tmp_path / "bad"), "--stage", "4"])
 
 
+def test_a_new_run_never_writes_into_a_directory_that_holds_something(smoke_run, tmp_path):
+    """An exported model (no training state) or any other non-empty directory is refused before anything is
+    written: its weights, log, README and summary stay byte for byte."""
+    exported = tmp_path / "exported"
+    shutil.copytree(smoke_run, exported, ignore=shutil.ignore_patterns(train_tiny.STATE_DIRECTORY))
+    before = {path: path.read_bytes() for path in exported.rglob("*") if path.is_file()}
+    assert (exported / train_tiny.LOG_FILE) in before
+    with pytest.raises(ValueError, match="is not empty"):
+        train_tiny.main(["--smoke", "--output", str(exported), "--device", "cpu", "--max-steps", "0"])
+    assert {path: path.read_bytes() for path in exported.rglob("*") if path.is_file()} == before
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep")
+    with pytest.raises(ValueError, match="is not empty"):
+        train_tiny.main(["--smoke", "--output", str(other), "--device", "cpu", "--max-steps", "0"])
+    assert (other / "notes.txt").read_text() == "keep" and sorted(p.name for p in other.iterdir()) == ["notes.txt"]
+
+
 def test_time_budget_stops_before_a_step_and_exports(tmp_path):
     output = tmp_path / "budget"
     assert train_tiny.main(["--smoke", "--output", str(output), "--device", "cpu", "--max-minutes", "0.01"]) == 0
