@@ -127,6 +127,7 @@ class _PlanState:
         self.cu_seqlens_q = self.metadata[: shape.num_requests + 1]
         self.seq_lens = self.metadata[shape.num_requests + 1:]
         self.bounds = torch.empty(1, dtype=torch.int64, device=device)
+        self.bounds_words = self.bounds.view(torch.int32)  # the plan kernel reads the word as two int32
         self.bounds_value: Optional[int] = None
         self.own_scores: Optional[torch.Tensor] = None
         self.topk_out = torch.empty(shape.total_q, num_heads, topk, dtype=torch.int32, device=device)
@@ -149,28 +150,21 @@ class _PlanState:
         """Refill the plan from the metadata: one launch of the plan kernel where it serves the shape; else copies
         into the graph's inputs, then the graph's replay (from the second build on), the captured ops themselves
         before, or, inside a caller's capture, the ops."""
-        if self.plan_kernel is not None:
-            if torch.cuda.is_current_stream_capturing():
-                self.bounds.fill_(bounds)  # part of the caller's graph: its replays set these bounds again
-                self.bounds_value = None
-            elif bounds != self.bounds_value:
-                self.bounds.fill_(bounds)
-                self.bounds_value = bounds
-            shape, plan = self.shape, self.plan
-            self.plan_kernel(cu_seqlens_q, seq_lens, self.bounds.view(torch.int32), plan.num_valid_pages,
-                             plan.descriptors, plan.num_tasks, plan.errors, shape.total_q, shape.num_heads,
-                             shape.page_size, shape.tile_tokens, shape.max_pages, shape.max_history_pages,
-                             shape.q_tile_capacity, shape.page_chunk, shape.num_sms)
-            return
-        if self.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-            # inside a caller's capture the fill is part of its graph: its replays set these bounds again
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if capturing or bounds != self.bounds_value:
             self.bounds.fill_(bounds)
-            self.bounds_value = None
+            # inside a caller's capture the fill is part of its graph: its replays set these bounds again
+            self.bounds_value = None if capturing else bounds
+        if self.plan_kernel is not None:
+            shape, plan = self.shape, self.plan
+            self.plan_kernel(cu_seqlens_q, seq_lens, self.bounds_words, plan.num_valid_pages, plan.descriptors,
+                             plan.num_tasks, plan.errors, shape.total_q, shape.num_heads, shape.page_size,
+                             shape.tile_tokens, shape.max_pages, shape.max_history_pages, shape.q_tile_capacity,
+                             shape.page_chunk, shape.num_sms)
+            return
+        if self.device.type != "cuda" or capturing:
             build_task_plan(cu_seqlens_q, seq_lens, self.shape, out=self.plan, bounds=self.bounds)
             return
-        if bounds != self.bounds_value:
-            self.bounds.fill_(bounds)
-            self.bounds_value = bounds
         torch.cat((cu_seqlens_q, seq_lens), out=self.metadata)
         self.builds += 1
         if self.graph is None and self.builds >= _CAPTURE_AFTER_BUILDS and not self.capture_failed:
