@@ -54,6 +54,8 @@ def load_cases(quick: bool):
 
 def sequence_lengths(case) -> list:
     """(q_len, kv_len) per sequence, by the rule of ../shared/data/README.md for batch > 1."""
+    if "lengths" in case:
+        return [tuple(pair) for pair in case["lengths"]]
     batch, total_q, max_kv = case["batch_size"], case["total_q"], case["max_final_kv"]
     if batch == 1:
         return [(total_q, max_kv)]
@@ -232,10 +234,14 @@ def schedule_balance(plan, num_ctas: int, *, cost: str = "rows") -> float:
     return float(per_cta.mean() / per_cta.max())
 
 
-def custom_case(q_len: int, kv_len: int) -> dict:
-    """A batch-1 case outside the suite, e.g. 8192 query tokens at the end of a 32K context."""
-    return {"case_id": f"custom_{q_len}_{kv_len}", "batch_size": 1, "total_q": q_len, "max_final_kv": kv_len,
-            "representative_weight": 0}
+def custom_case(q_len: int, kv_len: int, batch: int = 1) -> dict:
+    """A case outside the suite: ``batch`` requests of ``q_len`` query tokens at the end of ``kv_len`` tokens of
+    context each, e.g. 8192 tokens over 32K, or decode steps (``q_len`` 1) of 16 sequences over 128K."""
+    if not (1 <= q_len <= kv_len and batch >= 1):
+        raise ValueError(f"--case Q,KV[,B] needs 1 <= Q <= KV and B >= 1, got {q_len},{kv_len},{batch}")
+    suffix = f"_x{batch}" if batch > 1 else ""
+    return {"case_id": f"custom_{q_len}_{kv_len}{suffix}", "batch_size": batch, "total_q": q_len * batch,
+            "max_final_kv": kv_len, "representative_weight": 0, "lengths": [(q_len, kv_len)] * batch}
 
 
 def bench_case(case, num_heads, device, seed, baseline: bool, flush: L2Flush, precision: str = "auto",
@@ -303,8 +309,9 @@ def main(argv=None):
     parser.add_argument("--heads", default="4", help="comma-separated H values (1, 2, 4)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the torch FP8 baseline")
     parser.add_argument("--limit", type=int, default=0, help="first N cases only")
-    parser.add_argument("--case", action="append", default=[], metavar="Q,KV",
-                        help="an extra batch-1 case, e.g. 8192,32768 (repeatable); with --only-custom, only these")
+    parser.add_argument("--case", action="append", default=[], metavar="Q,KV[,B]",
+                        help="an extra case of B requests (default 1) of Q query tokens over KV tokens each, e.g. "
+                             "8192,32768 or a decode step 1,131072,16 (repeatable); with --only-custom, only these")
     parser.add_argument("--only-custom", action="store_true")
     parser.add_argument("--output", default=None, help="JSON results path (rewritten atomically after every case)")
     parser.add_argument("--seed", type=int, default=0)
@@ -316,7 +323,17 @@ def main(argv=None):
     cases = [] if args.only_custom else load_cases(args.quick)
     if args.limit:
         cases = cases[: args.limit]
-    cases += [custom_case(*(int(x) for x in spec.split(","))) for spec in args.case]
+    for spec in args.case:
+        try:
+            values = [int(x) for x in spec.split(",")]
+        except ValueError:
+            values = []
+        if len(values) not in (2, 3):
+            parser.error(f"--case takes Q,KV or Q,KV,B (integers), got {spec!r}")
+        try:
+            cases.append(custom_case(*values))
+        except ValueError as error:
+            parser.error(str(error))
     heads = [int(h) for h in args.heads.split(",")]
     if not torch.cuda.is_available():
         sys.exit("indexer.bench needs a CUDA GPU")

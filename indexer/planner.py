@@ -221,9 +221,10 @@ def modelled_requests(total_q: int, max_seqlen_q: int, max_seqlen_k: int) -> tup
 
 
 def task_cost(rows, pages):
-    """What a task costs the score kernel, in row-pages: its tile's rows (every consumer warpgroup computes its whole
-    64-row block, valid rows or not) times its pages plus a per-task overhead. The planner's heavy-first order and the
-    chunk model both use it."""
+    """What a task costs the score kernel, in row-pages: its tile's rows times its pages plus a per-task overhead.
+    The planner's heavy-first order and the chunk model both use it. A partial tile costs as much as a full one: its
+    idle warpgroups skip their wgmmas, but the active ones then lose the overlap of their reductions with the others'
+    wgmmas (costing active warpgroups instead was measured slower on the suite, docs/PERFORMANCE.md)."""
     return rows * (pages + _TASK_OVERHEAD_PAGES)
 
 

@@ -19,8 +19,18 @@ def fuse(x: torch.Tensor) -> bool:
     return x.device.type == "cuda" and not torch.is_grad_enabled()
 
 
+def _inductor_options() -> dict:
+    # Inductor otherwise times its reduction configs (block sizes, warps) on the device at the first call and keeps
+    # the fastest, so two processes may sum a norm in different orders: logits one bf16 ulp apart, and pages of
+    # near-tied scores swapped. Deterministic mode picks them from the shapes alone (torch >= 2.10).
+    import torch._inductor.config as inductor_config
+
+    return {"deterministic": True} if hasattr(inductor_config, "deterministic") else {}
+
+
 def compiled(name: str, function):
-    """``function`` compiled once per process (dynamic shapes, so new lengths do not recompile)."""
+    """``function`` compiled once per process (dynamic shapes, so new lengths do not recompile), with the same
+    kernels in every process."""
     if name not in _compiled_functions:
-        _compiled_functions[name] = torch.compile(function, dynamic=True)
+        _compiled_functions[name] = torch.compile(function, dynamic=True, options=_inductor_options())
     return _compiled_functions[name]

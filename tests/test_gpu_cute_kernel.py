@@ -45,10 +45,15 @@ def magnitude_bound(case, num_heads, device):
 
 
 @pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
+@pytest.mark.parametrize("lengths", [
+    [(700, 9000), (64, 20000), (1, 129), (300, 300), (129, 4000)],
+    # decode and verify steps: a tile of a few rows, most of its warpgroups idle
+    [(1, 40000), (3, 9000), (4, 131), (2, 20000), (1, 20001)],
+], ids=["prefill", "decode"])
 @pytest.mark.parametrize("pitch_extra", [37, 40])
 @pytest.mark.parametrize("num_heads", [1, 2, 4])
-def test_scores_match_the_exact_reference_within_the_fp8_bound(num_heads, pitch_extra):
-    case = make_case([(700, 9000), (64, 20000), (1, 129), (300, 300), (129, 4000)], num_heads=num_heads, seed=num_heads)
+def test_scores_match_the_exact_reference_within_the_fp8_bound(num_heads, pitch_extra, lengths):
+    case = make_case(lengths, num_heads=num_heads, seed=num_heads)
     results, _, _ = run_both(case, num_heads, pitch_extra=pitch_extra)
     (_, exact), (wrapper, kernel) = results["torch"], results["cute"]
     assert wrapper.active_backend == "cute" and wrapper.task_plan.shape.tile_rows == 256

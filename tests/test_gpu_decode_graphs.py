@@ -62,9 +62,9 @@ def decode(model, records, prompt, mask, steps, graphs, sparse_layers):
 
 def test_graphed_steps_give_the_eager_steps_pages_bitwise_and_logits_within_bf16_rounding(recorded_selections):
     """Every layer sparse (no dense attention, whose decode kernel differs): the step is the eager step's kernels on
-    the same inputs, so the pages agree bit for bit. The logits agree within bf16 rounding: in 2 of 4 pytest runs on
-    the H200 some of them differed by one bf16 ulp (cause not isolated; a script repeating both six times in one
-    process always agreed bit for bit)."""
+    the same inputs, so the pages agree bit for bit, and the logits within bf16 rounding as the decode contract
+    states. The compiled chains take inductor's deterministic mode (``minimax_m3.fusion``): without it this test
+    failed in 3 of 6 pytest runs on the H200."""
     model = kernel_geometry_model([1, 1, 1])
     generator = torch.Generator(device="cuda").manual_seed(0)
     prompt = torch.randint(3, 97, (2, 2600), device="cuda", generator=generator)

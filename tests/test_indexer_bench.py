@@ -62,3 +62,14 @@ def test_results_are_written_atomically(tmp_path, monkeypatch):
         bench.write_json_atomically(path, [3])
     assert path.read_text().replace("\n", "").replace(" ", "") == "[1,2]"
     assert [p.name for p in path.parent.iterdir()] == ["bench.json"], "no temporary file is left behind"
+
+
+def test_custom_cases_take_a_batch_of_equal_requests(monkeypatch, capsys):
+    case = bench.custom_case(1, 131072, 16)
+    assert case["case_id"] == "custom_1_131072_x16" and case["total_q"] == 16
+    assert bench.sequence_lengths(case) == [(1, 131072)] * 16
+    assert bench.sequence_lengths(bench.custom_case(8192, 32768)) == [(8192, 32768)]
+    for spec in ("1,2,3,4", "a,b", "5,4", "1,8,0"):
+        with pytest.raises(SystemExit):
+            bench.main(["--only-custom", "--case", spec])
+        assert "--case" in capsys.readouterr().err

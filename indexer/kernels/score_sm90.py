@@ -461,11 +461,18 @@ class PageScoreKernelSm90:
                     k_release_state = self._release_page(k_pipeline, k_release_state)
                     self._store_page(acc_odd, rows, mScores, page + 1)
             else:
-                # One accumulator per warpgroup: while one warpgroup reduces, the others' wgmmas run.
-                k_read_state, k_release_state, staging_buffer = self._score_pages(
-                    tiled_mma, tSrQ, tSrK, tScS, q_state, k_pipeline, k_read_state, k_release_state, rows,
-                    sMaxima, mScores, tma_atom_scores, mScores_tma, consumer_warpgroup, staging_buffer,
-                    page_begin, page_count)
+                if consumer_warpgroup * self.rows_per_consumer_warpgroup < rows.valid_rows:
+                    # One accumulator per warpgroup: while one warpgroup reduces, the others' wgmmas run.
+                    k_read_state, k_release_state, staging_buffer = self._score_pages(
+                        tiled_mma, tSrQ, tSrK, tScS, q_state, k_pipeline, k_read_state, k_release_state, rows,
+                        sMaxima, mScores, tma_atom_scores, mScores_tma, consumer_warpgroup, staging_buffer,
+                        page_begin, page_count)
+                else:
+                    # every row of this warpgroup's block lies past the task's rows (a request's last tile; a
+                    # decode step's tile holds H rows): no wgmma, no reduction, no store
+                    for _ in cutlass.range(page_count, unroll=1):
+                        k_read_state = self._pass_page(k_pipeline, k_read_state, consumer_warpgroup)
+                        k_release_state = self._release_page(k_pipeline, k_release_state)
             q_pipeline.consumer_release(q_state)
             q_state.advance()
         if cutlass.const_expr(self.issue_ring):
@@ -544,6 +551,17 @@ class PageScoreKernelSm90:
         warpgroup.commit_group()
         if cutlass.const_expr(self.issue_ring):
             self._pass_issue_token(consumer_warpgroup)
+        next_state = k_read_state.clone()
+        next_state.advance()
+        return next_state
+
+    @cute.jit
+    def _pass_page(self, k_pipeline, k_read_state, consumer_warpgroup):
+        """An idle warpgroup's turn at a page: it waits for the page as the others do, so its release stays in the
+        page's phase, and passes the issue token on without issuing anything."""
+        k_pipeline.consumer_wait(k_read_state)
+        self._wait_issue_token(consumer_warpgroup)
+        self._pass_issue_token(consumer_warpgroup)
         next_state = k_read_state.clone()
         next_state.advance()
         return next_state
