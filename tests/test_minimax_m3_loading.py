@@ -8,6 +8,7 @@ from safetensors.torch import save_file
 
 from minimax_m3 import MiniMaxM3Config, MiniMaxM3ForCausalLM, load_model
 from minimax_m3.conversion import checkpoint_state_dict
+from minimax_m3.synthetic_checkpoint import quantize_mxfp8
 from test_minimax_m3 import tiny_config, tiny_model
 
 
@@ -55,14 +56,6 @@ def dequantize_mxfp8(weight, scale_inv):
     """The MXFP8 reference: ``W = fp8 * 2^(s - 127)``, one uint8 E8M0 exponent ``s`` per 1x32 input block."""
     exponents = scale_inv.to(torch.int32).repeat_interleave(32, dim=1)[:, : weight.shape[1]] - 127
     return weight.to(torch.float32) * torch.pow(2.0, exponents.to(torch.float32))
-
-
-def quantize_mxfp8(weight):
-    """e4m3 values with one power-of-two scale per 1x32 input block (E8M0 as uint8)."""
-    blocks = weight.float().view(weight.shape[0], -1, 32)
-    exponent = torch.ceil(torch.log2(blocks.abs().amax(-1).clamp(min=1e-30) / 448.0)).clamp(-127, 127)
-    scaled = blocks / torch.pow(2.0, exponent)[..., None]
-    return scaled.view_as(weight).to(torch.float8_e4m3fn), (exponent + 127).to(torch.uint8)
 
 
 def test_official_sharded_layout_loads_with_the_same_logits(tmp_path):
