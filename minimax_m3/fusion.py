@@ -7,9 +7,13 @@ the same Python functions; training and CPU run them eagerly.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 __all__ = ["fuse", "compiled"]
+
+logger = logging.getLogger(__name__)
 
 _compiled_functions = {}
 
@@ -25,7 +29,11 @@ def _inductor_options() -> dict:
     # near-tied scores swapped. Deterministic mode picks them from the shapes alone (torch >= 2.10).
     import torch._inductor.config as inductor_config
 
-    return {"deterministic": True} if hasattr(inductor_config, "deterministic") else {}
+    if not hasattr(inductor_config, "deterministic"):
+        logger.warning("torch %s's inductor has no deterministic mode: compiled norms may round differently from "
+                       "one process to the next (torch >= 2.10 has it)", torch.__version__)
+        return {}
+    return {"deterministic": True}
 
 
 def compiled(name: str, function):

@@ -14,8 +14,8 @@ embedding and untied ``lm_head``, as the MXFP8 release stores them:
 Values are random at realistic scales (projections and router of standard deviation ``1/sqrt(fan_in)``, the
 embedding 0.02, norm weights and routing biases near 0), drawn from ``--seed`` and each tensor's name, so a seed
 always gives the same checkpoint. Tensors are generated and written a block of rows at a time straight into their
-place in the shard (the safetensors header is known in advance), so host memory stays bounded by a block (about
-64 MB of fp32) whatever the checkpoint's size. The directory appears under its name only once complete.
+place in the shard (the safetensors header is known in advance), so host memory stays bounded by a few blocks
+(64 MB of fp32 each) whatever the checkpoint's size. The directory appears under its name only once complete.
 """
 
 from __future__ import annotations
@@ -121,8 +121,9 @@ class TensorSpec:
     quantized: bool  # stored as e4m3 with a ``_scale_inv`` companion
 
     @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+    def stored_bytes(self) -> int:
+        """Bytes of the tensor and, when quantised, its scales."""
+        return sum(_entry_bytes(shape, dtype) for _, shape, dtype in _entries(self))
 
     @property
     def scale_name(self) -> str:
@@ -131,10 +132,6 @@ class TensorSpec:
     @property
     def scale_shape(self) -> tuple:
         return (self.shape[0], self.shape[1] // MXFP8_BLOCK)
-
-
-def _is_unquantised_matrix(name: str) -> bool:
-    return name.endswith(("embed_tokens.weight", "lm_head.weight", "block_sparse_moe.gate.weight"))
 
 
 def checkpoint_tensors(config: MiniMaxM3Config) -> List[TensorSpec]:
@@ -163,7 +160,7 @@ def checkpoint_tensors(config: MiniMaxM3Config) -> List[TensorSpec]:
             specs.append(TensorSpec(KEY_PREFIX + name, shape, torch.float32, shape[1] ** -0.5, False))
         elif name.endswith("embed_tokens.weight"):
             specs.append(TensorSpec(KEY_PREFIX + name, shape, torch.bfloat16, 0.02, False))
-        elif _is_unquantised_matrix(name):
+        elif name.endswith("lm_head.weight"):
             specs.append(TensorSpec(KEY_PREFIX + name, shape, torch.bfloat16, shape[1] ** -0.5, False))
         elif len(shape) == 2 and name.endswith(".weight"):
             specs.append(TensorSpec(KEY_PREFIX + name, shape, torch.float8_e4m3fn, shape[1] ** -0.5, True))
@@ -193,7 +190,7 @@ def _shard_plan(specs: List[TensorSpec], shard_bytes: int) -> List[List[TensorSp
     tensor gets a shard of its own)."""
     shards, current, size = [], [], 0
     for spec in specs:
-        nbytes = sum(_entry_bytes(shape, dtype) for _, shape, dtype in _entries(spec))
+        nbytes = spec.stored_bytes
         if current and size + nbytes > shard_bytes:
             shards.append(current)
             current, size = [], 0
@@ -259,7 +256,7 @@ def write_synthetic_checkpoint(output, config: MiniMaxM3Config, *, seed: int = 0
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     specs = checkpoint_tensors(config)
     shards = _shard_plan(specs, shard_bytes)
-    total = sum(_entry_bytes(shape, dtype) for spec in specs for _, shape, dtype in _entries(spec))
+    total = sum(spec.stored_bytes for spec in specs)
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = pathlib.Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.", suffix=".partial"))
     try:

@@ -125,7 +125,9 @@ def test_the_release_slice_has_the_release_names_shapes_and_dtypes():
         assert (specs[name].shape, specs[name].dtype) == (shape, dtype), name
     assert specs[layer + "0.mlp.down_proj.weight"].scale_shape == (6144, 384)
     assert not any("index" in n for n in specs if n.startswith(layer + "2."))  # dense layers have no indexer
-    total = sum(spec.nbytes + (spec.shape[0] * spec.shape[1] // 32 if spec.quantized else 0) for spec in specs.values())
+    total = sum(spec.stored_bytes for spec in specs.values())
+    assert total == sum(spec.shape[0] * spec.shape[1] * 33 // 32 if spec.quantized
+                        else torch.zeros(spec.shape, dtype=spec.dtype, device="meta").nbytes for spec in specs.values())
     assert 20e9 < total < 22e9
 
 
