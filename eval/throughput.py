@@ -168,7 +168,7 @@ def model_devices(model) -> list:
 
 def single_sparse_layer_config(config):
     """A two-layer model (dense, then sparse) with ``config``'s attention geometry, for the attention-only timing
-    (``bench_attention`` times layer 1); small MLPs and vocabulary: they are not timed."""
+    (``bench_attention`` times the sparse layer); small MLPs and vocabulary: they are not timed."""
     from minimax_m3 import MiniMaxM3Config
     from minimax_m3.configuration_minimax_m3 import DENSE_MLP, FULL_ATTENTION, MOE_MLP, SPARSE_ATTENTION
 

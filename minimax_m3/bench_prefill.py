@@ -21,6 +21,7 @@ import time
 import torch
 
 from . import MiniMaxM3Config, MiniMaxM3ForCausalLM
+from .configuration_minimax_m3 import SPARSE_ATTENTION
 from .sparse_attention import SPARSE_ATTENTION_FUNCTIONS
 
 
@@ -214,7 +215,7 @@ class _ComponentTimer:
         return total
 
 
-def bench_attention(config, length, device, dtype, repeats, selection: str = "model"):
+def bench_attention(config, length, device, dtype, repeats, selection: str = "model", modes=("sparse", "dense")):
     """One sparse layer's attention (indexer scores + top-k + sparse attention) vs the same layer dense.
 
     Reports the whole attention block (projections, norms and RoPE included: the same work in both modes) and, on
@@ -225,9 +226,13 @@ def bench_attention(config, length, device, dtype, repeats, selection: str = "mo
     ``selection="clustered"``: the indexer still runs (and is timed), but the attention uses
     ``clustered_selection`` instead of its output: a random-weight model selects nearly independent pages per
     token, while a trained model's neighbouring tokens share most pages, which is what block-sparse attention
-    exploits."""
-    results, cores = {}, {}
-    for mode in ("sparse", "dense"):
+    exploits.
+
+    Lengths whose score buffer exceeds ``config.max_score_buffer_bytes`` run as the model runs them: query chunks
+    over the cache (``MiniMaxM3Model._query_chunk_columns``), their times summed. ``modes``: the sides to time
+    (a side left out reports NaN), e.g. sparse alone where dense attention would take minutes."""
+    results, cores = {"sparse": float("nan"), "dense": float("nan")}, {}
+    for mode in modes:
         model = build(mode, config, device, dtype)
         locality = (clustered_selections(model.model.page_selector, config, length, device)
                     if mode == "sparse" and selection == "clustered" else contextlib.nullcontext())
@@ -247,7 +252,7 @@ def bench_attention(config, length, device, dtype, repeats, selection: str = "mo
 
 
 def _time_attention_layer(model, length, device, dtype, repeats):
-    """Seconds of layer 1's attention block (median of ``repeats``; NaN when out of memory) and, on CUDA, of its
+    """Seconds of the first sparse layer's attention block (median of ``repeats``; NaN when out of memory) and, on CUDA, of its
     core (page selection + attention function, one pass), else None."""
     from . import modeling_minimax_m3
     from .cache import MiniMaxM3Cache
@@ -258,17 +263,23 @@ def _time_attention_layer(model, length, device, dtype, repeats):
     select = selector.select
     if device.type == "cuda":
         selector.select = timer.wrap(select)
-    layer = model.model.layers[1]
+    layer = model.model.layers[config.layer_types.index(SPARSE_ATTENTION)]
     hidden = torch.randn(1, length, config.hidden_size, device=device, dtype=dtype)
+
+    chunk = model.model._query_chunk_columns(MiniMaxM3Cache(config, 1), [length], length)
 
     def attention():
         with torch.no_grad():
             cache = MiniMaxM3Cache(config, 1)
-            real = torch.ones(1, length, dtype=torch.bool, device=device)
             cache.reserve([length])
-            metadata = model.model._metadata(real, cache.lengths, [length])
-            cos, sin = model.model.rotary_emb(metadata.positions)
-            layer.self_attn(layer.input_layernorm(hidden[0]), cos, sin, cache, metadata, selector)
+            for begin in range(0, length, chunk):
+                columns = min(chunk, length - begin)
+                real = torch.ones(1, columns, dtype=torch.bool, device=device)
+                metadata = model.model._metadata(real, cache.lengths, [columns])
+                cos, sin = model.model.rotary_emb(metadata.positions)
+                layer.self_attn(layer.input_layernorm(hidden[0, begin:begin + columns]), cos, sin, cache, metadata,
+                                selector)
+                cache.advance([columns], columns)
 
     originals = (modeling_minimax_m3.dense_attention, modeling_minimax_m3.get_sparse_attention_function)
     if device.type == "cuda":

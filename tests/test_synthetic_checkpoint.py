@@ -153,6 +153,23 @@ def test_loading_is_measured_with_its_host_memory(tmp_path, capsys):
     assert result["largest_shard_bytes"] == max(p.stat().st_size for p in path.glob("*.safetensors"))
     if result["host_peak_bytes"] is not None:  # Linux
         assert result["host_peak_bytes"] >= result["host_resident_after_bytes"] > 0
+        assert result["host_anonymous_peak_bytes"] >= result["host_anonymous_before_bytes"] > 0
+        assert result["host_file_backed_peak_bytes"] > 0
     with pytest.raises(SystemExit):
         bench_loading.main([str(tmp_path), "--device", "cpu"])
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_the_host_memory_sampler_sees_an_allocation_come_and_go():
+    from minimax_m3.bench_loading import HostMemorySampler, _status_field
+
+    if _status_field("RssAnon") is None:
+        pytest.skip("no /proc/self/status RssAnon on this system")
+    before = _status_field("RssAnon")
+    with HostMemorySampler(interval=0.001) as sampler:
+        block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched
+        import time
+
+        time.sleep(0.05)
+        del block
+    assert sampler.peak_anonymous - before >= 48 << 20
