@@ -12,7 +12,9 @@ Two parts, each optional:
   the release's layer counts), in each mode. The experts' share of a sparse layer at ``--experts-length`` tokens is
   set against ``torch.matmul`` on 8192^3 bf16 timed in the same run. ``native``: transformers' own
   ``MiniMaxM3VLForCausalLM`` with the same shapes (random bf16 weights: its loader is not the subject), the same
-  workloads, OOM where it runs out of memory.
+  workloads, OOM where it runs out of memory. A random-weight indexer selects nearly independent pages per token,
+  the sparse-attention kernel's worst case; ``--selection clustered`` attends over pages with a trained indexer's
+  locality instead (the indexer still runs and is timed).
 * **One sparse layer at long context** (``--layer-lengths``, up to the release's 1,048,576 positions): the
   attention of one real-width sparse layer (indexer scores, top-k and sparse attention, query-chunked as the score
   buffer requires, as the model runs it) against the same layer's dense attention, timed at the lengths up to
@@ -24,6 +26,7 @@ Prints tables; writes JSON (``--output``, atomically, after every part).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import sys
@@ -34,6 +37,7 @@ from typing import Optional, Sequence
 import torch
 
 from minimax_m3 import MiniMaxM3Cache, MiniMaxM3Config
+from minimax_m3.bench_prefill import clustered_selections
 from minimax_m3.configuration_minimax_m3 import DENSE_MLP, FULL_ATTENTION, SPARSE_ATTENTION
 
 from .devices import checked_device
@@ -269,7 +273,7 @@ def _time_one(model, config, device, timer, repeats, workload, length, native, c
 
 
 def slice_part(checkpoint: Path, device, modes: Sequence[str], lengths, chunk, chunk_context, repeats,
-               experts_length: int, native_lengths, flush) -> dict:
+               experts_length: int, native_lengths, flush, selection: str = "model") -> dict:
     from minimax_m3.bench_loading import load_measured
 
     matmul_size = MATMUL_SIZE if device.type == "cuda" else 1024
@@ -283,13 +287,19 @@ def slice_part(checkpoint: Path, device, modes: Sequence[str], lengths, chunk, c
         "dense_intermediate_size", "max_position_embeddings", "layer_types", "mlp_layer_types")}
     flush(result)
     runs = result["runs"] = []
+    longest = max([*lengths, chunk_context if chunk else 0])
     for mode in [m for m in modes if m != "native"]:
         with attention_mode(model, mode):
-            for row in time_workloads(model, config, device, lengths, chunk, chunk_context, repeats):
+            clustered = mode == "sparse" and selection == "clustered"
+            locality = (clustered_selections(model.model.page_selector, config, longest, device) if clustered
+                        else contextlib.nullcontext())
+            with locality:
+                rows = time_workloads(model, config, device, lengths, chunk, chunk_context, repeats)
+            for row in rows:
                 parts = row.pop("_parts", None)
                 if parts is not None:
                     row["estimate"] = estimate_time_to_first_token(config, parts, row["ms"])
-                runs.append({"mode": mode, **row})
+                runs.append({"mode": mode, "selection": selection if mode == "sparse" else None, **row})
                 flush(result)
     experts = [r for r in runs if r["mode"] == "sparse" and r["workload"] == "fresh" and r["tokens"] == experts_length
                and r.get("status") == "ok"]
@@ -333,7 +343,8 @@ def _estimate_ratios(runs) -> list:
         if "sparse" in modes and "dense" in modes:
             sparse = modes["sparse"]["estimate"]["estimated_ms"]
             dense = modes["dense"]["estimate"]["estimated_ms"]
-            rows.append({"workload": workload, "context": context, "tokens": tokens, "sparse_estimated_ms": sparse,
+            rows.append({"workload": workload, "context": context, "tokens": tokens,
+                         "selection": modes["sparse"].get("selection"), "sparse_estimated_ms": sparse,
                          "dense_estimated_ms": dense, "dense_over_sparse": dense / sparse})
     return rows
 
@@ -389,8 +400,9 @@ def print_report(result: dict, stream=None) -> None:
               "outside layers ms | estimated whole model ms | peak GiB |", file=stream)
         print("|---|---|---|---|---|---|---|---|---|---|", file=stream)
         for r in result["runs"]:
+            mode = r["mode"] + (" (clustered)" if r.get("selection") == "clustered" else "")
             if r.get("status") != "ok":
-                print(f"| {r['mode']} | {r['workload']} | {r.get('tokens', '-')} | {r.get('context', '-')} | "
+                print(f"| {mode} | {r['workload']} | {r.get('tokens', '-')} | {r.get('context', '-')} | "
                       f"{r.get('status')} | - | - | - | - | - |", file=stream)
                 continue
             e = r.get("estimate")
@@ -398,10 +410,11 @@ def print_report(result: dict, stream=None) -> None:
                      f"{_ms(e['dense_layer_ms'])} | {_ms(e['sparse_layer_ms'])} ({_ms(e['sparse_layer_attention_ms'])} + "
                      f"{_ms(e['sparse_layer_mlp_ms'])}) | {_ms(e['outside_layers_ms'])} | {_ms(e['estimated_ms'])}")
             peak = "-" if r.get("peak_gib") is None else f"{r['peak_gib']:.1f}"
-            print(f"| {r['mode']} | {r['workload']} | {r['tokens']} | {r['context']} | {_ms(r['ms'])} | {layer} | {peak} |",
+            print(f"| {mode} | {r['workload']} | {r['tokens']} | {r['context']} | {_ms(r['ms'])} | {layer} | {peak} |",
                   file=stream)
     for e in result.get("estimates", []):
-        print(f"estimate, {e['workload']} {e['tokens']} over {e['context']}: whole model sparse "
+        print(f"estimate, {e['workload']} {e['tokens']} over {e['context']}: whole model sparse"
+              f"{' (clustered)' if e.get('selection') == 'clustered' else ''} "
               f"{e['sparse_estimated_ms'] / 1e3:.2f} s, dense {e['dense_estimated_ms'] / 1e3:.2f} s: "
               f"{e['dense_over_sparse']:.2f}x", file=stream)
     if "experts" in result:
@@ -450,7 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layer-dense-max", type=int, default=262144,
                         help="the longest length whose dense attention is timed (longer ones are extrapolated)")
     parser.add_argument("--selection", default="model", choices=["model", "clustered"],
-                        help="the layer part: the indexer's selections or clustered ones (minimax_m3.bench_prefill)")
+                        help="sparse mode attends over the indexer's selections or over clustered ones with a trained "
+                             "indexer's locality (the indexer still runs and is timed; minimax_m3.bench_prefill)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--output", default=None)
@@ -488,7 +502,8 @@ def run(argv=None) -> dict:
     flush()
     if args.checkpoint is not None:
         result.update(slice_part(args.checkpoint, device, modes, lengths, args.chunk, args.chunk_context, args.repeats,
-                                 args.experts_length, native_lengths, lambda part: (result.update(part), flush())))
+                                 args.experts_length, native_lengths, lambda part: (result.update(part), flush()),
+                                 args.selection))
         flush()
     if layer_lengths:
         layer_part(device, layer_lengths, args.layer_dense_max, args.repeats, args.selection, flush, result)

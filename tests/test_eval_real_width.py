@@ -98,3 +98,12 @@ def test_bad_arguments_are_named_before_any_work(isolated, argv, message):
 def test_a_directory_without_a_config_is_refused(isolated):
     with pytest.raises(SystemExit, match="not a checkpoint directory"):
         real_width.run(["--checkpoint", str(isolated), "--device", "cpu"])
+
+
+def test_clustered_selections_are_recorded_on_the_sparse_runs(isolated):
+    path = synthetic.write_synthetic_checkpoint(isolated / "slice", tiny_slice(), seed=2, device="cpu")
+    result = real_width.run(["--checkpoint", str(path), "--modes", "sparse,dense", "--lengths", "64", "--chunk", "0",
+                             "--experts-length", "64", "--layer-lengths", "", "--selection", "clustered",
+                             "--repeats", "1", "--device", "cpu", "--output", str(isolated / "c.json")])
+    assert [(r["mode"], r["selection"]) for r in result["runs"]] == [("sparse", "clustered"), ("dense", None)]
+    assert result["estimates"][0]["selection"] == "clustered"
