@@ -38,10 +38,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-VERSION = "v1"
+VERSION = "v2"
 SEED = 20261130
 VOCAB_SIZE = 512
 MAX_POSITIONS = 4096
+MODEL_MAX_POSITIONS = 1 << 20  # the throughput runs reach 128K-token contexts; the model checks lengths against it
 INITIALIZER_RANGE = 0.1  # q/k are RMS-normed, so attention is peaked enough to make page selection matter
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 PROVENANCE_FILE = "eval_default_model.json"
@@ -67,7 +68,7 @@ def tiny_config(vocab_size: int = VOCAB_SIZE):
     return MiniMaxM3Config(
         vocab_size=vocab_size, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, rotary_dim=16, intermediate_size=64, dense_intermediate_size=128, shared_intermediate_size=64,
-        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=MAX_POSITIONS,
+        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=MODEL_MAX_POSITIONS,
         initializer_range=INITIALIZER_RANGE, moe_layer_freq=[0, 1, 1],
         sparse_attention_config={
             "sparse_attention_freq": [0, 1, 1], "sparse_num_index_heads": 2, "sparse_index_dim": 32,

@@ -15,6 +15,8 @@ Loading the official composite config (``model_type: minimax_m3_vl`` with a ``te
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 from typing import Any, Optional
 
 from transformers import PreTrainedConfig
@@ -43,6 +45,13 @@ _ATTENTION_MODES = ("sparse", "dense")
 _LEGACY_MOE_IMPLEMENTATIONS = ("sparse", "all_experts")
 _PAGE_SELECTIONS = ("indexer", "recent")
 _COMPOSITE_TYPES = ("minimax_m3_vl",)
+_FLAT_TO_NESTED = {flat: nested for nested, flat in _NESTED_TO_FLAT.items()}
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "head_dim", "intermediate_size", "dense_intermediate_size", "shared_intermediate_size",
+                  "num_local_experts", "num_experts_per_tok", "max_position_embeddings", "index_n_heads",
+                  "index_head_dim", "index_block_size", "index_topk_blocks", "max_score_buffer_bytes")
+_POSITIVE_NUMBERS = ("rms_norm_eps", "routed_scaling_factor")
+_HIDDEN_ACTS = ("swigluoai", "silu")
 _NATIVE_TYPES = ("minimax_m3_vl_text",)
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 """``rope_parameters["rope_type"]`` values the model serves (transformers' own RoPE initialisation functions compute
@@ -51,6 +60,15 @@ all but ``default``); another type raises."""
 
 class MiniMaxM3Config(PreTrainedConfig):
     r"""Configuration of the MiniMax-M3 text model; defaults are the released model's.
+
+    Every field is validated at construction (and by ``validate_minimax_m3``): a value the model cannot compute with,
+    or two spellings of one field that disagree, raises a ``ValueError`` naming the field.
+
+    Of the checkpoint's fields:
+        hidden_act (`str`, defaults to `"swigluoai"`): the MLP activation, always SwiGLU-OAI (`swiglu_alpha`,
+            `swiglu_limit`, `swiglu_beta`); `"silu"`, which transformers' native config writes for it, means the same.
+        sparse_attention_config (`dict`): the hub spelling; its `use_sparse_attention = false` makes every layer
+            full attention (a layer pattern that still marks sparse layers raises).
 
     Beyond the checkpoint's fields:
         index_dtype (`str`, defaults to `"float8_e4m3fn"`): dtype of the index path (index q and the paged index-K
@@ -171,29 +189,46 @@ class MiniMaxM3Config(PreTrainedConfig):
             raise ValueError(f"page_selection must be one of {_PAGE_SELECTIONS}, got {page_selection!r}")
         self.page_selection = page_selection
 
+        if sparse_attention_config is not None and not isinstance(sparse_attention_config, dict):
+            raise ValueError(f"sparse_attention_config must be a dict, got {sparse_attention_config!r}")
         self.spelling = "nested" if sparse_attention_config is not None else "flat"
         sparse = dict(sparse_attention_config or {})
-        self.sparse_attention_config = sparse_attention_config
+        self.sparse_attention_config = dict(sparse) if sparse_attention_config is not None else None
         self.moe_layer_freq = moe_layer_freq
 
-        def pick(flat_value, nested_key, default):
-            if flat_value is not None:
-                return flat_value
-            return sparse.get(nested_key, default)
+        def pick(flat_name, flat_value, default):
+            # both spellings given: the flat one would win in memory while to_dict writes the nested one
+            nested_key = _FLAT_TO_NESTED.get(flat_name, flat_name)
+            if flat_value is not None and nested_key in sparse and sparse[nested_key] != flat_value:
+                raise ValueError(f"{flat_name} = {flat_value!r} and sparse_attention_config {nested_key} = "
+                                 f"{sparse[nested_key]!r} disagree: give one spelling or equal values")
+            return flat_value if flat_value is not None else sparse.get(nested_key, default)
 
-        self.index_n_heads = pick(index_n_heads, "sparse_num_index_heads", num_key_value_heads)
-        self.index_head_dim = pick(index_head_dim, "sparse_index_dim", head_dim)
-        self.index_block_size = pick(index_block_size, "sparse_block_size", 128)
-        self.index_topk_blocks = pick(index_topk_blocks, "sparse_topk_blocks", 16)
-        self.index_local_blocks = pick(index_local_blocks, "sparse_local_block", 1)
+        self.index_n_heads = pick("index_n_heads", index_n_heads, num_key_value_heads)
+        self.index_head_dim = pick("index_head_dim", index_head_dim, head_dim)
+        self.index_block_size = pick("index_block_size", index_block_size, 128)
+        self.index_topk_blocks = pick("index_topk_blocks", index_topk_blocks, 16)
+        self.index_local_blocks = pick("index_local_blocks", index_local_blocks, 1)
         self.index_init_blocks = sparse.get("sparse_init_block", 0)
+        self._validate_scalars()  # the layer lists and the rotary share below do arithmetic on these
 
+        use_sparse = sparse.get("use_sparse_attention")
+        if use_sparse is not None and not isinstance(use_sparse, bool):
+            raise ValueError(f"sparse_attention_config use_sparse_attention must be true or false, got {use_sparse!r}")
+        frequency = sparse.get("sparse_attention_freq")
+        layer_types = _layer_kinds("layer_types", layer_types, "sparse_attention_config sparse_attention_freq",
+                                   frequency, SPARSE_ATTENTION, FULL_ATTENTION)
         if layer_types is None:
-            frequency = sparse.get("sparse_attention_freq")
             if frequency is None:
-                frequency = [0] * min(3, num_hidden_layers) + [1] * max(0, num_hidden_layers - 3)
+                frequency = ([0] * num_hidden_layers if use_sparse is False else
+                             [0] * min(3, num_hidden_layers) + [1] * max(0, num_hidden_layers - 3))
             layer_types = [SPARSE_ATTENTION if f else FULL_ATTENTION for f in frequency]
         self.layer_types = list(layer_types)
+        if use_sparse is False and SPARSE_ATTENTION in self.layer_types:
+            raise ValueError(f"sparse_attention_config use_sparse_attention is false but the layer pattern "
+                             f"(layer_types or sparse_attention_freq) has sparse layers: {self.layer_types}")
+        mlp_layer_types = _layer_kinds("mlp_layer_types", mlp_layer_types, "moe_layer_freq", moe_layer_freq,
+                                       MOE_MLP, DENSE_MLP)
         if mlp_layer_types is None:
             frequency = moe_layer_freq
             if frequency is None:
@@ -201,22 +236,44 @@ class MiniMaxM3Config(PreTrainedConfig):
             mlp_layer_types = [MOE_MLP if f else DENSE_MLP for f in frequency]
         self.mlp_layer_types = list(mlp_layer_types)
 
-        if rope_parameters is None and kwargs.get("rope_scaling") is not None:
-            rope_parameters = dict(kwargs.pop("rope_scaling"))  # the older name of the same dict
+        rope_scaling = kwargs.pop("rope_scaling", None)  # the older name of rope_parameters (the hub spelling's)
+        for name, value in (("rope_parameters", rope_parameters), ("rope_scaling", rope_scaling)):
+            if value is not None and not isinstance(value, dict):
+                raise ValueError(f"{name} must be a dict, got {value!r}")
+        if rope_parameters is None:
+            rope_parameters = rope_scaling
+        elif rope_scaling is not None and _scaling_of(rope_scaling) != _scaling_of(rope_parameters):
+            # transformers' base config would take rope_scaling over rope_parameters after validation
+            raise ValueError(f"rope_parameters {rope_parameters} and rope_scaling {rope_scaling} disagree: give one "
+                             f"spelling or equal values")
         rope = dict(rope_parameters or {})
-        self.rope_parameters = rope_parameters
-        self.rope_theta = float(rope_theta if rope_theta is not None else rope.get("rope_theta", 5_000_000.0))
+        self.rope_parameters = rope if rope_parameters is not None else None  # a copy: transformers fills it in
+        theta = rope.get("rope_theta")
+        if rope_theta is not None and theta is not None and rope_theta != theta:
+            raise ValueError(f"rope_theta = {rope_theta!r} and rope_parameters rope_theta = {theta!r} disagree: give "
+                             f"one spelling or equal values")
+        self.rope_theta = rope_theta if rope_theta is not None else (theta if theta is not None else 5_000_000.0)
+        _check_number("rope_theta", self.rope_theta)
+        self.rope_theta = float(self.rope_theta)
+        if rotary_dim is not None and not _is_int(rotary_dim):
+            raise ValueError(f"rotary_dim must be an int, got {rotary_dim!r}")
+        if rotary_dim is not None and partial_rotary_factor is not None:
+            if _rotary_dim_of(head_dim, partial_rotary_factor, "partial_rotary_factor") != rotary_dim:
+                raise ValueError(f"rotary_dim = {rotary_dim} and partial_rotary_factor = {partial_rotary_factor} "
+                                 f"(head_dim {head_dim}) disagree: give one or consistent values")
         if rope.get("partial_rotary_factor") is not None:
             # transformers' native model rotates head_dim * factor dimensions: the factor wins over a stale rotary_dim
-            partial_rotary_factor = rope["partial_rotary_factor"]
-            from_factor = int(round(head_dim * partial_rotary_factor))
+            factor = rope["partial_rotary_factor"]
+            from_factor = _rotary_dim_of(head_dim, factor, "rope_parameters partial_rotary_factor")
+            if partial_rotary_factor is not None and partial_rotary_factor != factor:
+                raise ValueError(f"partial_rotary_factor = {partial_rotary_factor!r} and rope_parameters "
+                                 f"partial_rotary_factor = {factor!r} disagree: give one spelling or equal values")
             if rotary_dim is not None and rotary_dim != from_factor:
                 logger.warning("rope_parameters.partial_rotary_factor = %s gives rotary_dim %d (head_dim %d); the "
-                               "config's rotary_dim %d is ignored", partial_rotary_factor, from_factor, head_dim,
-                               rotary_dim)
-            rotary_dim = from_factor
+                               "config's rotary_dim %d is ignored", factor, from_factor, head_dim, rotary_dim)
+            partial_rotary_factor, rotary_dim = factor, from_factor
         if rotary_dim is None and partial_rotary_factor is not None:
-            rotary_dim = int(round(head_dim * partial_rotary_factor))
+            rotary_dim = _rotary_dim_of(head_dim, partial_rotary_factor, "partial_rotary_factor")
         if rotary_dim is None:
             rotary_dim = head_dim // 2
         self.rotary_dim = rotary_dim
@@ -231,8 +288,33 @@ class MiniMaxM3Config(PreTrainedConfig):
             **kwargs,
         )
 
+    def _validate_scalars(self) -> None:
+        for name in _POSITIVE_INTS:
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{_label(name)} must be an int >= 1, got {value!r}")
+        if not _is_int(self.n_shared_experts) or self.n_shared_experts < 0:
+            raise ValueError(f"n_shared_experts must be an int >= 0, got {self.n_shared_experts!r}")
+        for name in _POSITIVE_NUMBERS:
+            _check_number(name, getattr(self, name))
+        if not _is_number(self.swiglu_limit) or not self.swiglu_limit > 0:  # inf is a gate without a clamp
+            raise ValueError(f"swiglu_limit must be a number > 0, got {self.swiglu_limit!r}")
+        for name in ("swiglu_alpha", "swiglu_beta"):
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if not _is_number(self.attention_dropout) or not 0 <= self.attention_dropout < 1:
+            raise ValueError(f"attention_dropout must be a number in [0, 1), got {self.attention_dropout!r}")
+        if self.hidden_act not in _HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be 'swigluoai' (or 'silu', transformers' name for it), got "
+                             f"{self.hidden_act!r}")
+
     def validate_minimax_m3(self) -> None:
         """Clear errors for configurations the model cannot run."""
+        self._validate_scalars()
+        _check_number("rope_theta", self.rope_theta)
+        if not _is_int(self.rotary_dim):
+            raise ValueError(f"rotary_dim must be an int, got {self.rotary_dim!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
@@ -258,12 +340,10 @@ class MiniMaxM3Config(PreTrainedConfig):
             raise ValueError(f"layer_types entries must be {FULL_ATTENTION!r} or {SPARSE_ATTENTION!r}, got {self.layer_types}")
         if set(self.mlp_layer_types) - {DENSE_MLP, MOE_MLP}:
             raise ValueError(f"mlp_layer_types entries must be {DENSE_MLP!r} or {MOE_MLP!r}, got {self.mlp_layer_types}")
-        if self.index_local_blocks != 1:
+        if not _is_int(self.index_local_blocks) or self.index_local_blocks != 1:
             raise ValueError(f"index_local_blocks (sparse_local_block) must be 1 (the forced local page), got {self.index_local_blocks}")
         if self.index_init_blocks:
             raise ValueError(f"sparse_init_block must be 0 (no forced initial pages in MiniMax-M3), got {self.index_init_blocks}")
-        if self.index_topk_blocks < 1 or self.index_block_size < 1:
-            raise ValueError("index_topk_blocks and index_block_size must be positive")
         if self.index_dtype not in _INDEX_DTYPES:
             raise ValueError(f"index_dtype must be one of {_INDEX_DTYPES}, got {self.index_dtype!r}")
         if self.attention_mode not in _ATTENTION_MODES:
@@ -271,7 +351,8 @@ class MiniMaxM3Config(PreTrainedConfig):
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_parameters rope_type {self.rope_type!r} is not supported; supported: {ROPE_TYPES}")
         if self.num_experts_per_tok > self.num_local_experts:
-            raise ValueError("num_experts_per_tok must not exceed num_local_experts")
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must not exceed num_local_experts "
+                             f"({self.num_local_experts})")
 
     @property
     def rope_type(self) -> str:
@@ -287,6 +368,13 @@ class MiniMaxM3Config(PreTrainedConfig):
         dropped = _FLAT_ONLY_KEYS if self.spelling == "nested" else _NESTED_ONLY_KEYS
         for key in dropped:
             output.pop(key, None)
+        if self.spelling == "nested":
+            # the values in memory (given flat, or set after construction) are the ones that must reload
+            sparse = dict(self.sparse_attention_config or {})
+            sparse.update({nested: getattr(self, flat) for nested, flat in _NESTED_TO_FLAT.items()})
+            sparse["sparse_attention_freq"] = [int(kind == SPARSE_ATTENTION) for kind in self.layer_types]
+            output["sparse_attention_config"] = sparse
+            output["moe_layer_freq"] = [int(kind == MOE_MLP) for kind in self.mlp_layer_types]
         if self.spelling == "nested" and self.rope_type != "default":
             # the hub spelling names a RoPE scaling `rope_scaling` (theta and the rotated share are top-level keys)
             output["rope_scaling"] = {key: value for key, value in self.rope_parameters.items()
@@ -308,7 +396,57 @@ class MiniMaxM3Config(PreTrainedConfig):
         """Also accepts the official composite config (``minimax_m3_vl`` with a ``text_config``)."""
         config_dict = text_config_dict(config_dict)
         config_dict.pop("model_type", None)
-        return super().from_dict(config_dict, **kwargs)
+        loaded = super().from_dict(config_dict, **kwargs)
+        # transformers sets from_pretrained's keyword overrides after __init__, past its validation
+        (loaded[0] if isinstance(loaded, tuple) else loaded).validate_minimax_m3()
+        return loaded
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # True is an int in Python
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_number(name: str, value) -> None:
+    if not _is_number(value) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def _label(name: str) -> str:
+    """A field's name with its hub spelling's, where it has one."""
+    return f"{name} ({_FLAT_TO_NESTED[name]})" if name in _FLAT_TO_NESTED else name
+
+
+def _layer_kinds(name: str, kinds, frequency_name: str, frequency, marked: str, unmarked: str):
+    """``kinds`` as a list (None when not given); raises if the 0/1 ``frequency`` spelling says otherwise."""
+    if kinds is None:
+        return None
+    if not isinstance(kinds, (list, tuple)):
+        raise ValueError(f"{name} must be a list, got {kinds!r}")
+    if frequency is not None and list(kinds) != [marked if f else unmarked for f in frequency]:
+        raise ValueError(f"{name} {list(kinds)} and {frequency_name} {list(frequency)} disagree: give one spelling or "
+                         f"equal values")
+    return list(kinds)
+
+
+def _scaling_of(rope: dict) -> dict:
+    # the hub spelling's rope_scaling carries neither theta nor the rotated share (top-level keys there)
+    return {key: value for key, value in rope.items() if key not in ("rope_theta", "partial_rotary_factor")}
+
+
+def _rotary_dim_of(head_dim: int, factor, name: str) -> int:
+    """``head_dim * factor``, which must be a whole number: the native model and this one would otherwise round it
+    differently."""
+    if not _is_number(factor) or not 0 < factor <= 1:
+        raise ValueError(f"{name} must be a number in (0, 1], got {factor!r}")
+    rotated = head_dim * factor
+    if not math.isclose(rotated, round(rotated), abs_tol=1e-6):
+        raise ValueError(f"{name} = {factor!r} rotates head_dim {head_dim} * {factor!r} = {rotated:g} dimensions, "
+                         f"not a whole number")
+    return int(round(rotated))
 
 
 def text_config_dict(config_dict: dict) -> dict:

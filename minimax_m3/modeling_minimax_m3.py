@@ -423,6 +423,15 @@ class MiniMaxM3PreTrainedModel(PreTrainedModel):
             module.inv_freq.copy_(rope_frequencies(self.config)[0])
 
 
+_CACHE_LAYOUT = ("num_hidden_layers", "layer_types", "num_key_value_heads", "head_dim", "index_head_dim",
+                 "index_block_size")
+"""The config fields that shape a cache's tensors and pages: a cache must agree with the model on all of them."""
+
+
+def _described(value) -> str:
+    return f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+
 CACHE_FIELD = next(field.name for field in dataclass_fields(MoeModelOutputWithPast) if field.name in ("cache", "past_key_values"))
 """The cache field of transformers' outputs: ``cache`` from transformers 5.2x on (which renames ``past_key_values=``
 to it), ``past_key_values`` before; generate() reads the installed version's."""
@@ -479,48 +488,59 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         ``MiniMaxM3StaticCache`` replays a CUDA graph of the model body (``decode_graphs``), captured at the first
         such step; on the CPU the same step runs uncaptured. Every sequence's new token is taken as real (the mask
         is not read), as in ``generate``'s decode steps, and a replayed step's ``last_hidden_state`` is the graph's
-        buffer, which the next step overwrites. Other calls, and steps that ask for extra outputs, run as usual."""
+        buffer, which the next step overwrites. Other calls, and steps that ask for extra outputs, run as usual.
+
+        Bad inputs raise a ``ValueError`` before the cache is written; on CUDA the ids' values are not checked against
+        the vocabulary, as reading them would synchronise (an id out of range there is a device-side assert)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        past_for_step = past_key_values if past_key_values is not None else cache
-        if decode_cuda_graphs and self._takes_decode_step(input_ids, past_for_step, position_ids, output_hidden_states,
+        if input_ids is not None:
+            self._check_input_ids(input_ids)
+        else:
+            self._check_inputs_embeds(inputs_embeds)
+        inputs_name = "input_ids" if input_ids is not None else "inputs_embeds"
+        batch, new_tokens = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        past_key_values = past_key_values if past_key_values is not None else cache  # transformers 5.2x's name
+        if past_key_values is not None:
+            self._check_cache(past_key_values, batch)
+        if decode_cuda_graphs and self._takes_decode_step(input_ids, past_key_values, position_ids, output_hidden_states,
                                                           output_router_logits, output_page_selections, kwargs):
-            hidden = self._decode_graph(past_for_step)(input_ids)
+            self._check_length(inputs_name, past_key_values.lengths, [1] * batch)
+            hidden = self._decode_graph(past_key_values)(input_ids)
             return MiniMaxM3ModelOutput(last_hidden_state=hidden,
-                                        **{CACHE_FIELD: past_for_step if use_cache is not False else None})
+                                        **{CACHE_FIELD: past_key_values if use_cache is not False else None})
         attentions = kwargs.get("output_attentions")
         if attentions or (attentions is None and self.config.output_attentions):
             raise ValueError("output_attentions is not supported: the sparse layers never form attention weights and "
                              "the dense layers run SDPA; output_page_selections=True returns the pages each token read")
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
-        batch, new_tokens = inputs_embeds.shape[:2]
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
-        past_key_values = past_key_values if past_key_values is not None else cache  # transformers 5.2x's name
-        cache = past_key_values if past_key_values is not None else MiniMaxM3Cache(self.config, batch)
-        if not isinstance(cache, MiniMaxM3Cache):
-            raise TypeError(f"past_key_values must be a MiniMaxM3Cache or MiniMaxM3StaticCache (positional K/V and paged "
-                            f"index-K), got {type(cache).__name__}: build one with MiniMaxM3Cache(model.config) or "
-                            f"let generate() build it")
-        cache.bind(batch)
-
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
         real = self._new_token_mask(attention_mask, batch, new_tokens, inputs_embeds.device)
         # without a mask every column is real: the lengths are known on the host (reading them would synchronise)
         query_lengths = [new_tokens] * batch if attention_mask is None else real.sum(1).tolist()
+        if not any(query_lengths):
+            raise ValueError(f"attention_mask marks none of the {new_tokens} new columns of any sequence as a real "
+                             f"token: there is nothing to run")
+        past_lengths = past_key_values.lengths if past_key_values is not None and past_key_values.lengths else [0] * batch
+        self._check_length(inputs_name, past_lengths, query_lengths)
+        cache = past_key_values if past_key_values is not None else MiniMaxM3Cache(self.config, batch)
+        cache.bind(batch)
+
         chunk = self._query_chunk_columns(cache, query_lengths, new_tokens)
         if chunk < new_tokens:
             if position_ids is not None:  # all of them before the first chunk writes the cache
                 self._check_position_ids(position_ids, real, self._metadata(real, cache.lengths, query_lengths).positions)
             return self._forward_in_chunks(inputs_embeds, attention_mask, cache, use_cache, output_hidden_states,
                                            output_router_logits, output_page_selections, chunk)
-        cache.reserve(query_lengths)  # capacity only: the cached lengths stay until advance()
         metadata = self._metadata(real, cache.lengths, query_lengths)
         if position_ids is not None:
             self._check_position_ids(position_ids, real, metadata.positions)
+        cache.reserve(query_lengths)  # capacity only: the cached lengths stay until advance()
         # [T, hidden], sequences back to back; without a mask every column is real and packing is a view (boolean
         # indexing would cost a pass and a host synchronisation)
         all_real = attention_mask is None
@@ -603,6 +623,56 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         output = self._forward_packed(packed, cos, sin, cache, metadata, False, output_hidden_states=False,
                                       output_router_logits=False, return_dict=True)
         return output.last_hidden_state.view(input_ids.shape[0], 1, -1)
+
+    def _check_input_ids(self, input_ids) -> None:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32):
+            raise ValueError(f"input_ids must be [batch, new tokens] of int64 or int32 (one sequence as input_ids[None]), "
+                             f"got {_described(input_ids)}")
+        if input_ids.numel() == 0:
+            raise ValueError(f"input_ids must hold at least one new token, got shape {tuple(input_ids.shape)}")
+        if input_ids.device.type == "cpu":  # on an accelerator min/max would synchronise
+            low, high = (int(value) for value in input_ids.aminmax())
+            vocabulary = self.embed_tokens.num_embeddings
+            if low < 0 or high >= vocabulary:
+                raise ValueError(f"input_ids must be in [0, vocab_size = {vocabulary}), got ids from {low} to {high}")
+
+    def _check_inputs_embeds(self, inputs_embeds) -> None:
+        hidden_size = self.config.hidden_size
+        if not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != hidden_size:
+            raise ValueError(f"inputs_embeds must be [batch, new tokens, hidden_size = {hidden_size}], got "
+                             f"{_described(inputs_embeds)}")
+        if inputs_embeds.numel() == 0:
+            raise ValueError(f"inputs_embeds must hold at least one new token, got shape {tuple(inputs_embeds.shape)}")
+        expected = self.embed_tokens.weight.dtype
+        # under autocast the matmuls cast their inputs, so any floating dtype runs
+        autocast = torch.is_autocast_enabled(inputs_embeds.device.type)
+        if not inputs_embeds.is_floating_point() or (inputs_embeds.dtype != expected and not autocast):
+            raise ValueError(f"inputs_embeds must be {expected} (the dtype of the model's embeddings), got "
+                             f"{inputs_embeds.dtype}")
+
+    def _check_cache(self, cache, batch: int) -> None:
+        if not isinstance(cache, MiniMaxM3Cache):
+            raise TypeError(f"past_key_values must be a MiniMaxM3Cache or MiniMaxM3StaticCache (positional K/V and paged "
+                            f"index-K), got {type(cache).__name__}: build one with MiniMaxM3Cache(model.config) or "
+                            f"let generate() build it")
+        if cache.config is not self.config:
+            for name in _CACHE_LAYOUT:
+                theirs, ours = getattr(cache.config, name, None), getattr(self.config, name)
+                if theirs != ours:
+                    raise ValueError(f"past_key_values was built for another config: its {name} is {theirs}, the "
+                                     f"model's is {ours} (build it with MiniMaxM3Cache(model.config))")
+        if cache.batch_size is not None and cache.batch_size != batch:
+            raise ValueError(f"past_key_values holds {cache.batch_size} sequences, the inputs have {batch}")
+
+    def _check_length(self, inputs_name: str, past_lengths: list, query_lengths: list) -> None:
+        """The default RoPE's positions end at ``max_position_embeddings`` (what the model was trained for); the
+        scaled ones (dynamic, yarn, ...) stretch it to longer sequences, so only the default is held to it."""
+        limit = self.config.max_position_embeddings
+        longest = max(past + new for past, new in zip(past_lengths, query_lengths))
+        if self.config.rope_type == "default" and longest > limit:
+            raise ValueError(f"these {inputs_name} take a sequence to {longest} tokens, beyond max_position_embeddings = "
+                             f"{limit} of the default RoPE: raise max_position_embeddings or set a RoPE scaling that "
+                             f"serves longer sequences (rope_parameters with rope_type 'dynamic' or 'yarn')")
 
     @staticmethod
     def _check_position_ids(position_ids, real, positions) -> None:
@@ -729,7 +799,7 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
         quantization = kwargs.get("quantization_config") or getattr(config, "quantization_config", None)
         loading.check_quantization_served(quantization)
         if os.path.isdir(path):
-            loading.check_no_duplicate_tensors(os.path.join(path, kwargs.get("subfolder") or ""))
+            loading.check_shards(os.path.join(path, kwargs.get("subfolder") or ""))
         wants_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
         # transformers would initialise these at random (or drop them) and only report it
@@ -865,6 +935,7 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
         decode_cuda_graphs: bool = False,
         **kwargs,
     ) -> MiniMaxM3CausalLMOutput:
+        """``MiniMaxM3Model.forward`` (which validates the inputs), then the logits of ``logits_to_keep`` and the loss."""
         past_key_values = past_key_values if past_key_values is not None else cache  # transformers 5.2x's name
         outputs = self.model(
             input_ids=input_ids,
