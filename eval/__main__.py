@@ -23,8 +23,10 @@ import sys
 import time
 from pathlib import Path
 
+from .cli import add_debug_argument, run_main
 from .devices import checked_device
 from .offline import enforce_offline
+from .report import checked_output_directory, checked_output_path
 
 __all__ = ["run_command", "main"]
 
@@ -42,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-dir", default=None,
                         help="where accuracy.json, throughput.json and throughput.png go (default: eval_results/eval-<time>)")
     parser.add_argument("--overwrite", action="store_true", help="replace results already in --output-dir")
-    return parser
+    return add_debug_argument(parser)
 
 
 def run_command(argv=None) -> dict:
@@ -52,15 +54,27 @@ def run_command(argv=None) -> dict:
         raise SystemExit(f"--limit must be positive, got {args.limit}")
     checked_device(args.device)  # before the accuracy part runs anywhere else
     output_dir = Path(args.output_dir or Path("eval_results") / f"eval-{time.strftime('%Y%m%d-%H%M%S')}")
-    if output_dir.exists() and not output_dir.is_dir():
-        raise SystemExit(f"--output-dir {output_dir} is a file")
+    checked_output_directory(output_dir, "--output-dir")
     parts = [name for name, skipped in (("accuracy.json", args.skip_accuracy), ("throughput.json", args.skip_throughput),
                                         ("throughput.png", args.skip_throughput)) if not skipped]
+    if args.skip_accuracy and args.skip_throughput:
+        raise SystemExit("nothing to run: --skip-accuracy and --skip-throughput together skip both parts")
     existing = [name for name in parts if (output_dir / name).exists()]
     if existing and not args.overwrite:
         raise SystemExit(f"--output-dir {output_dir} already holds {', '.join(existing)}: pass --overwrite to replace "
                          f"them, or choose another --output-dir")
+    for name in parts:  # a parent that is a file or not writable; existing files were handled above
+        checked_output_path(output_dir / name, Path(name).stem, overwrite=True, argument="--output-dir",
+                            suffix=Path(name).suffix)
     overwrite = ["--overwrite"] if args.overwrite else []
+    argv_throughput = ["--preset", "embedded", "--device", args.device, "--seeds", args.seeds,
+                       "--output", str(output_dir / "throughput.json"), *overwrite]
+    if args.lengths:
+        argv_throughput += ["--lengths", args.lengths]
+    if not args.skip_throughput:  # --seeds and --lengths are checked now, not after the accuracy part
+        from . import throughput
+
+        throughput.resolve_arguments(throughput.build_parser().parse_args(argv_throughput))
     print("MiniMax-M3 sparse vs dense on tiny models: accuracy on the shipped trained tiny model, throughput on the "
           "embedded random one (CPU-sized: it shows the machinery, not GPU speed)", flush=True)
     results = {}
@@ -71,19 +85,13 @@ def run_command(argv=None) -> dict:
                                                     "--output", str(output_dir / "accuracy.json"), *overwrite])
         sys.stdout.flush()
     if not args.skip_throughput:
-        from . import throughput
-
-        argv_throughput = ["--preset", "embedded", "--device", args.device, "--seeds", args.seeds,
-                           "--output", str(output_dir / "throughput.json"), *overwrite]
-        if args.lengths:
-            argv_throughput += ["--lengths", args.lengths]
         results["throughput"] = throughput.run_command(argv_throughput)
     logging.getLogger(__name__).info("all results in %s", output_dir)
     return results
 
 
 def main(argv=None) -> None:
-    run_command(argv)
+    run_main(run_command, argv)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .cli import TOKENIZER_FILES, UsageError, add_debug_argument, checked_model, run_main
 from .offline import enforce_offline
 from .devices import checked_device
 from .report import checked_output_path, environment, format_number, format_table, write_json
@@ -58,7 +59,8 @@ RETRIEVAL_LENGTHS_CPU = "4096"  # 32 pages: selection matters, and a 2-core CPU 
 
 class TaskSession:
     """An lm-eval ``TaskManager`` over the bundled tasks (``eval/tasks``, read in place) and, when a requested task
-    is not bundled, lm-eval's own."""
+    is not bundled, lm-eval's own; an unknown task, or one whose data is not in the local cache, raises
+    ``UsageError`` (a ``ValueError``) before any model runs."""
 
     def __init__(self, tasks: Sequence[str], extra_task_paths: Sequence[Path] = ()):
         """``extra_task_paths``: more directories of task YAMLs (e.g. ``eval.retrieval_accuracy.retrieval_length_task``
@@ -76,8 +78,22 @@ class TaskSession:
                                    include_defaults=not set(tasks) <= bundled | extra_names)
         unknown = [name for name in tasks if name not in self.manager.all_tasks]
         if unknown:
-            raise ValueError(f"unknown task(s) {unknown}: bundled tasks are {sorted(bundled)}; other names must be "
-                             f"lm-eval tasks (see `lm_eval ls tasks`)")
+            raise UsageError(f"unknown task(s) {', '.join(unknown)}: the bundled tasks are {', '.join(sorted(bundled))}; "
+                             f"other names must be lm-eval tasks (`lm_eval ls tasks` lists them)")
+        for name in tasks:
+            if name not in bundled | extra_names:
+                self._check_cached(name, sorted(bundled))
+
+    def _check_cached(self, name: str, bundled: Sequence[str]) -> None:
+        """Loads the task's data once, so that a dataset missing from the offline cache fails now, not after the
+        model has loaded and the first mode has run."""
+        try:
+            self.manager.load([name])
+        except ConnectionError as error:  # what datasets raises offline for a dataset it has not cached
+            fetch = f"from lm_eval.tasks import TaskManager; TaskManager().load(['{name}'])"
+            raise UsageError(f"task {name}: its data is not in the local Hugging Face cache and runs are offline "
+                             f"({error}); fetch it once with network access (python -c \"{fetch}\", same HF_HOME) "
+                             f"or use a bundled task: {', '.join(bundled)}") from error
 
 
 def run_lm_eval(model, tokenizer, tasks: Sequence[str], session: TaskSession, *, limit: Optional[float],
@@ -193,9 +209,11 @@ def agreement_table(agreement: dict) -> str:
 def evaluate_accuracy(model, tokenizer, *, tasks: Sequence[str], modes: Sequence[str] = ("sparse", "dense"),
                       limit: Optional[float] = None, batch_size: int = 8, max_length: Optional[int] = None,
                       num_fewshot: Optional[int] = None, bootstrap_iters: int = 0, agreement_length: Optional[int] = None,
-                      agreement_sequences: int = 4, agreement_positions: int = 256, seed: int = 0) -> dict:
+                      agreement_sequences: int = 4, agreement_positions: int = 256, seed: int = 0,
+                      session: Optional[TaskSession] = None) -> dict:
     """Everything ``python -m eval.accuracy`` reports, as a JSON-ready dict. ``agreement_length=0`` skips the
-    logit agreement; ``None`` uses ``default_agreement_length``."""
+    logit agreement; ``None`` uses ``default_agreement_length``. ``session``: a ``TaskSession(tasks)`` made
+    earlier (the command makes it before loading the model)."""
     from .logit_agreement import agreement_sequences as make_sequences
     from .logit_agreement import default_agreement_length, logit_agreement
     from .modes import MODE_SETTINGS, attention_mode
@@ -204,7 +222,7 @@ def evaluate_accuracy(model, tokenizer, *, tasks: Sequence[str], modes: Sequence
         raise ValueError(f"modes must be two different modes of {tuple(MODE_SETTINGS)} (candidate, reference), got {modes}")
     started = time.perf_counter()
     per_mode, seconds = {}, {}
-    session = TaskSession(tasks)
+    session = session or TaskSession(tasks)
     for mode in modes:
         logger.info("lm-eval in %s mode on %s", mode, ", ".join(tasks))
         begin = time.perf_counter()
@@ -323,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", default=None, help="JSON results (default: eval_results/accuracy-<time>.json)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     parser.add_argument("--verbose", action="store_true", help="lm-eval's own INFO logging")
-    return parser
+    return add_debug_argument(parser)
 
 
 def _retrieval_lengths(text: str):
@@ -345,30 +363,50 @@ def run_command(argv=None) -> dict:
     if not args.verbose:
         for name in ("lm_eval", "lm-eval", "datasets", "transformers"):
             logging.getLogger(name).setLevel(logging.WARNING)
-    if args.limit is not None and args.limit <= 0:
-        raise SystemExit(f"--limit must be positive, got {args.limit}")
+    if args.limit is not None and (args.limit <= 0 or args.limit > 1 and not float(args.limit).is_integer()):
+        raise SystemExit(f"--limit must be a whole number of documents or a fraction below 1, got {args.limit}")
     if args.retrieval_documents is not None and args.retrieval_documents < 1:
         raise SystemExit(f"--retrieval-documents must be >= 1, got {args.retrieval_documents}")
     for name in ("batch_size", "agreement_sequences", "agreement_positions"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_length is not None and args.max_length < 1:
+        raise SystemExit(f"--max-length must be >= 1, got {args.max_length}")
+    for name, value in (("--num-fewshot", args.num_fewshot), ("--bootstrap-iters", args.bootstrap_iters),
+                        ("--agreement-length", args.agreement_length)):
+        if value is not None and value < 0:
+            raise SystemExit(f"{name} must not be negative, got {value}")
+    modes = tuple(m.strip() for m in args.modes.split(","))
+    _check_modes(modes)
     device = str(checked_device(args.device))
     output = checked_output_path(args.output, "accuracy", overwrite=args.overwrite)
+    if args.model == EMBEDDED and (args.tokenizer is not None or args.device_map is not None):
+        raise SystemExit(f"--tokenizer and --device-map need a checkpoint: the {EMBEDDED} model has its own")
     if args.model is None:
         from .trained_model import trained_model_dir
 
         model_path = str(trained_model_dir())
     else:
-        model_path = None if args.model == EMBEDDED else args.model
+        model_path = None if args.model == EMBEDDED else checked_model(args.model)
+    if model_path is not None:
+        checked_model(args.tokenizer or model_path, "--tokenizer" if args.tokenizer else "--model", TOKENIZER_FILES)
     default_tasks = DEFAULT_TASKS_CHECKPOINT if args.model not in (None, EMBEDDED) else DEFAULT_TASKS_EMBEDDED
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else list(default_tasks)
+    if not tasks:
+        raise SystemExit(f"--tasks must name at least one task, got {args.tasks!r}")
+    session = TaskSession(tasks)  # an unknown or uncached task fails here, before the model loads
     model, tokenizer, description = load_for_evaluation(model_path, args.tokenizer, dtype=args.dtype, device=device,
                                                         device_map=args.device_map)
+    window = model.config.index_topk_blocks * model.config.index_block_size
+    if args.agreement_length and args.agreement_length <= window:
+        raise SystemExit(f"--agreement-length must exceed the top-k window of {window} tokens (0 skips it), got "
+                         f"{args.agreement_length}")
     result = evaluate_accuracy(
-        model, tokenizer, tasks=tasks, modes=tuple(m.strip() for m in args.modes.split(",")), limit=_limit(args.limit),
+        model, tokenizer, tasks=tasks, modes=modes, limit=_limit(args.limit),
         batch_size=args.batch_size, max_length=args.max_length, num_fewshot=args.num_fewshot,
         bootstrap_iters=args.bootstrap_iters, agreement_length=args.agreement_length,
         agreement_sequences=args.agreement_sequences, agreement_positions=args.agreement_positions, seed=args.seed,
+        session=session,
     )
     result["retrieval_by_length"] = None
     on_gpu = next(model.parameters()).is_cuda
@@ -391,8 +429,16 @@ def run_command(argv=None) -> dict:
     return result
 
 
+def _check_modes(modes: Sequence[str]) -> None:
+    from .modes import MODE_SETTINGS
+
+    if len(modes) != 2 or any(m not in MODE_SETTINGS for m in modes) or modes[0] == modes[1]:
+        raise SystemExit(f"--modes must be two different modes of {', '.join(MODE_SETTINGS)} (candidate,reference), "
+                         f"got {','.join(modes)}")
+
+
 def main(argv=None) -> None:
-    run_command(argv)
+    run_main(run_command, argv)
 
 
 if __name__ == "__main__":

@@ -469,6 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--output", default=None)
     parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     return parser
 
 
@@ -515,7 +516,9 @@ def run(argv=None) -> dict:
 
 
 def main(argv=None) -> None:
-    run(argv)
+    from .cli import run_main
+
+    run_main(run, argv)
 
 
 if __name__ == "__main__":

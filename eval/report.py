@@ -11,11 +11,12 @@ import time
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-__all__ = ["RESULTS_DIRECTORY", "default_output_path", "checked_output_path", "format_table", "format_number",
-           "timing_cells", "write_json", "atomic_write", "to_jsonable", "pyplot", "save_figure", "plot_throughput",
+__all__ = ["RESULTS_DIRECTORY", "default_output_path", "checked_output_path", "checked_output_directory", "format_table", "format_number",
+           "NOISY_MARK", "noisy_mark", "noise_footnote", "timing_cells", "write_json", "atomic_write", "to_jsonable", "pyplot", "save_figure", "plot_throughput",
            "environment"]
 
 RESULTS_DIRECTORY = Path("eval_results")
+NOISY_MARK = "*"
 
 
 def default_output_path(kind: str) -> Path:
@@ -29,7 +30,8 @@ def default_output_path(kind: str) -> Path:
     return path
 
 
-def checked_output_path(output, kind: str, *, overwrite: bool, argument: str = "--output") -> Path:
+def checked_output_path(output, kind: str, *, overwrite: bool, argument: str = "--output",
+                        suffix: str = ".json") -> Path:
     """The results path of a command, checked before any work: ``default_output_path(kind)`` when ``output`` is
     None; a directory, an existing file without ``overwrite`` or a parent that cannot be a directory raise
     ``SystemExit`` naming ``argument``."""
@@ -37,17 +39,36 @@ def checked_output_path(output, kind: str, *, overwrite: bool, argument: str = "
         return default_output_path(kind)
     path = Path(output)
     if path.is_dir():
-        raise SystemExit(f"{argument} {path} is a directory: give a file path, e.g. {path / (kind + '.json')}")
+        raise SystemExit(f"{argument} {path} is a directory: give a file path, e.g. {path / (kind + suffix)}")
     if path.exists() and not overwrite:
         raise SystemExit(f"{argument} {path} exists: pass --overwrite to replace it, or choose another path")
+    _check_writable_parent(path, argument)
+    return path
+
+
+def checked_output_directory(output, argument: str = "--output") -> Path:
+    """An output directory, checked before any work: a file, or a directory (or the nearest existing parent of a
+    new one) that cannot be written, raise ``SystemExit`` naming ``argument``; what it holds is the command's
+    business."""
+    path = Path(output)
+    if path.exists() and not path.is_dir():
+        raise SystemExit(f"{argument} {path} is a file: give a directory")
+    if path.is_dir():
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise SystemExit(f"{argument} {path} is not writable")
+        return path
+    _check_writable_parent(path, argument)
+    return path
+
+
+def _check_writable_parent(path: Path, argument: str) -> None:
     for parent in path.parents:
         if parent.exists():
             if not parent.is_dir():
                 raise SystemExit(f"{argument} {path}: {parent} is a file, not a directory")
             if not os.access(parent, os.W_OK):
                 raise SystemExit(f"{argument} {path}: {parent} is not writable")
-            break
-    return path
+            return
 
 
 def format_number(value, digits: int = 3) -> str:
@@ -95,13 +116,30 @@ def to_jsonable(value):
     return str(value)
 
 
+def noisy_mark(result: dict) -> str:
+    """`` *`` after the timing of a result flagged ``noisy`` (``eval.stats.is_noisy``), else nothing."""
+    return f" {NOISY_MARK}" if result.get("noisy") else ""
+
+
+def noise_footnote(results: Iterable[dict]) -> Optional[str]:
+    """The line under a table with noisy rows, None without any."""
+    from .stats import NOISY_MAX_OVER_MIN
+
+    ratios = [r["max_over_min"] for r in results if r.get("noisy")]
+    if not ratios:
+        return None
+    return (f"{NOISY_MARK} noisy: the slowest timing took more than {NOISY_MAX_OVER_MIN}x the fastest (up to "
+            f"{max(ratios):.2f}x here), so the median is unreliable; rerun on an idle machine or with more seeds")
+
+
 def timing_cells(result: dict, decimals: int = 1) -> list:
-    """A finished row's last four table cells: median [min–max] milliseconds, median tokens/s, peak GiB and the
-    speed-up over dense (or the status and dashes for a row that did not finish)."""
+    """A finished row's last four table cells: median [min–max] milliseconds (marked when noisy), median tokens/s,
+    peak GiB and the speed-up over dense (or the status and dashes for a row that did not finish)."""
     if result["status"] != "ok":
         return [result["status"], "-", "-", "-"]
     s = result["seconds"]
-    return [f"{s['median'] * 1e3:,.{decimals}f} [{s['min'] * 1e3:,.{decimals}f}–{s['max'] * 1e3:,.{decimals}f}]",
+    return [f"{s['median'] * 1e3:,.{decimals}f} [{s['min'] * 1e3:,.{decimals}f}–{s['max'] * 1e3:,.{decimals}f}]"
+            + noisy_mark(result),
             format_number(result["tokens_per_second"]["median"]), format_number(result["peak_memory_gib"]),
             "-" if result.get("speedup_vs_dense") is None else f"{result['speedup_vs_dense']:.2f}x"]
 
@@ -158,9 +196,9 @@ def save_figure(figure, path, dpi: int = 120) -> Path:
 
 def plot_throughput(results: Sequence[dict], path, title: Optional[str] = None) -> Optional[Path]:
     """Input tokens/s against prompt length, one line per (mode, batch size) for fresh prompts, one marker per
-    mode for chunked prefill and for prefix-cached turns; with decode workloads, a second panel of milliseconds per output token against the
-    context, one line per (mode, graphs or eager, batch size); log axes; OOM points as a red x on the axis. None
-    when nothing finished."""
+    mode for chunked prefill and for prefix-cached turns; with decode workloads, a second panel of milliseconds per
+    output token against the context, one line per (mode, graphs or eager, batch size); every point the median
+    with min–max error bars; log axes; OOM points as a red x on the axis. None when nothing finished."""
     plt = pyplot()
 
     prefill = [r for r in results if r["workload"] != "decode"]
@@ -203,29 +241,39 @@ def _plot_out_of_memory(axes, results, finished, value) -> None:
                      color="red", s=60, label="out of memory")
 
 
+def _with_range(axes, points, **style) -> None:
+    """``points``: ``(x, summary)`` with ``summary`` a ``spread``; the medians, with min–max error bars."""
+    points = sorted(points, key=lambda p: p[0])
+    medians = [p[1]["median"] for p in points]
+    below = [m - p[1]["min"] for m, p in zip(medians, points)]
+    above = [p[1]["max"] - m for m, p in zip(medians, points)]
+    axes.errorbar([p[0] for p in points], medians, yerr=[below, above], capsize=3, elinewidth=1, **style)
+
+
+def _milliseconds(summary: dict) -> dict:
+    return {key: value * 1e3 for key, value in summary.items()}
+
+
 def _plot_prefill(axes, results, colours) -> None:
     finished = [r for r in results if r.get("status") == "ok"]
     lines = {}
     for result in finished:
         if result["workload"] == "fresh":
             lines.setdefault((result["mode"], result["batch_size"]), []).append(
-                (result["length"], result["tokens_per_second"]["median"]))
+                (result["length"], result["tokens_per_second"]))
     for (mode, batch), points in sorted(lines.items()):
-        points.sort()
         label = mode if batch == 1 else f"{mode}, batch {batch}"
-        axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=colours[mode], label=label,
-                  linestyle="-" if batch == 1 else "--")
+        _with_range(axes, points, marker="o", color=colours[mode], label=label, linestyle="-" if batch == 1 else "--")
     for result in finished:
-        if result["workload"] == "chunked":
-            axes.scatter([result["length"]], [result["tokens_per_second"]["median"]], marker="s", s=60,
-                         color=colours[result["mode"]], edgecolors="black",
-                         label=f"{result['mode']}, chunked ({result['chunk_size']}-token chunks)")
-        if result["workload"] == "turns":
-            axes.scatter([result["length"]], [result["tokens_per_second"]["median"]], marker="D", s=50,
-                         color=colours[result["mode"]], edgecolors="black",
-                         label=f"{result['mode']}, {result['chunk_size']}-token turns over the prefix")
+        if result["workload"] in ("chunked", "turns"):
+            chunked = result["workload"] == "chunked"
+            label = (f"{result['mode']}, chunked ({result['chunk_size']}-token chunks)" if chunked
+                     else f"{result['mode']}, {result['chunk_size']}-token turns over the prefix")
+            _with_range(axes, [(result["length"], result["tokens_per_second"])], marker="s" if chunked else "D",
+                        markersize=8 if chunked else 7, color=colours[result["mode"]], markeredgecolor="black",
+                        linestyle="none", label=label)
     _plot_out_of_memory(axes, results, finished, lambda r: r["tokens_per_second"]["median"])
-    axes.set_ylabel("input tokens / s (median over seeds)")
+    axes.set_ylabel("input tokens / s (median, bars: min–max over seeds)")
     _length_axis(axes, results, "prompt / context length (tokens)")
 
 
@@ -234,14 +282,13 @@ def _plot_decode(axes, results, colours) -> None:
     lines = {}
     for result in finished:
         lines.setdefault((result["mode"], result["graphs"], result["batch_size"]), []).append(
-            (result["length"], result["seconds"]["median"] * 1e3))
+            (result["length"], _milliseconds(result["seconds"])))
     for (mode, graphs, batch), points in sorted(lines.items()):
-        points.sort()
         label = f"{mode}, {'graphs' if graphs else 'eager'}" + ("" if batch == 1 else f", batch {batch}")
-        axes.plot([p[0] for p in points], [p[1] for p in points], marker="o" if graphs else "^",
-                  color=colours[mode], label=label, linestyle="-" if graphs else ":")
+        _with_range(axes, points, marker="o" if graphs else "^", color=colours[mode], label=label,
+                    linestyle="-" if graphs else ":")
     _plot_out_of_memory(axes, results, finished, lambda r: r["seconds"]["median"] * 1e3)
-    axes.set_ylabel("ms per output token (median over steps)")
+    axes.set_ylabel("ms per output token (median, bars: min–max over steps)")
     _length_axis(axes, results, "context length (tokens)")
 
 

@@ -28,7 +28,6 @@ import json
 import logging
 import random
 import re
-import sys
 import time
 from pathlib import Path
 from dataclasses import replace
@@ -36,10 +35,12 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from .cli import TOKENIZER_FILES, add_debug_argument, checked_model, run_main
+from .devices import checked_device
 from .layer_inputs import capture_sparse_layer_inputs, single_pass
 from .modes import attention_mode
 from .recall import RecallAccumulator
-from .report import format_table, pyplot, save_figure, write_json
+from .report import checked_output_path, format_table, pyplot, save_figure, write_json
 from .stats import mcnemar_exact_p_value
 from .synthetic_retrieval import TASKS, VALUE_DIGITS, RetrievalDataConfig, RetrievalDataGenerator
 
@@ -394,11 +395,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="documents per task and length (the first ones) whose recall is measured")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated among {', '.join(VARIANTS)}")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32 or bfloat16")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16")
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--output", type=Path, default=None, help="JSON results path")
     parser.add_argument("--plot", type=Path, default=None, help="PNG plot path")
-    return parser
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output or --plot")
+    return add_debug_argument(parser)
 
 
 def run_command(argv: Optional[Sequence[str]] = None) -> dict:
@@ -408,9 +411,19 @@ def run_command(argv: Optional[Sequence[str]] = None) -> dict:
     arguments = build_parser().parse_args(argv)
     if arguments.documents < 1 or arguments.recall_documents < 0:
         raise SystemExit("--documents must be >= 1 and --recall-documents >= 0")
+    tasks, variants = _names(arguments.tasks, "--tasks", TASKS), _names(arguments.variants, "--variants", VARIANTS)
+    if "dense" not in variants:
+        raise SystemExit("--variants must include dense (the paired baseline)")
+    device = str(checked_device(arguments.device))
+    for name, path, suffix in (("--output", arguments.output, ".json"), ("--plot", arguments.plot, ".png")):
+        if path is not None:
+            checked_output_path(path, "retrieval_accuracy", overwrite=arguments.overwrite, argument=name, suffix=suffix)
+    if arguments.model is not None:
+        checked_model(arguments.model)
+        checked_model(arguments.model, files=TOKENIZER_FILES)
     model_path = arguments.model or str(trained_model_dir())
     model, tokenizer, description = load_for_evaluation(model_path, None, dtype=arguments.dtype,
-                                                        device=arguments.device, device_map=None)
+                                                        device=device, device_map=None)
     started = time.perf_counter()
 
     def save_partial(partial: dict) -> None:  # a long run killed at its last length keeps the shorter ones
@@ -418,8 +431,7 @@ def run_command(argv: Optional[Sequence[str]] = None) -> dict:
             write_json(arguments.output, {**partial, "model": description})
 
     result = evaluate_retrieval_accuracy(model, tokenizer, lengths=arguments.lengths, documents=arguments.documents,
-                                         tasks=tuple(arguments.tasks.split(",")),
-                                         variants=tuple(arguments.variants.split(",")),
+                                         tasks=tasks, variants=variants,
                                          recall_documents=arguments.recall_documents, seed=arguments.seed,
                                          after_length=save_partial)
     result["model"] = description
@@ -437,10 +449,18 @@ def run_command(argv: Optional[Sequence[str]] = None) -> dict:
     return result
 
 
+def _names(text: str, argument: str, known: Sequence[str]) -> tuple:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise SystemExit(f"{argument} must be among {', '.join(known)}, got {text!r}")
+    return names
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     logging.basicConfig(level=logging.WARNING)
-    run_command(argv)
+    run_main(run_command, argv)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

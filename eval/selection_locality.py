@@ -13,8 +13,6 @@ than 16 causal pages count (earlier tokens select every page).
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -22,8 +20,13 @@ import torch
 from minimax_m3.sparse_attention_cute import page_unions
 
 from . import retrieval_accuracy as ra
+from .cli import TOKENIZER_FILES, add_debug_argument, checked_model, run_main
+from .devices import checked_device
+from .offline import enforce_offline
+from .report import checked_output_path, write_json
 
-__all__ = ["uniform_selection", "mean_union_pages", "measure_selection_locality", "locality_table", "main"]
+__all__ = ["uniform_selection", "mean_union_pages", "measure_selection_locality", "locality_table", "run_command",
+           "main"]
 
 PAGE = 128
 TOPK = 16
@@ -108,40 +111,53 @@ def locality_table(result: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m eval.selection_locality",
+                                     description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("--model", default=None, help="checkpoint (default: the shipped trained tiny model)")
     parser.add_argument("--lengths", type=ra.positive_ints, default=(8192, 32768),
                         help="comma-separated document lengths in tokens (each > 2048)")
     parser.add_argument("--documents", type=int, default=1, help="pass-key documents per length")
     parser.add_argument("--tiles", type=ra.positive_ints, default=TILE_TOKENS, help="tile sizes in tokens")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: CUDA when available)")
     parser.add_argument("--output", default=None, help="JSON results path")
-    return parser
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    return add_debug_argument(parser)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict:
+def run_command(argv: Optional[Sequence[str]] = None) -> dict:
+    """The command line's work; returns the results (``main`` is the command-line entry point)."""
     args = build_parser().parse_args(argv)
     if args.documents < 1:
         raise SystemExit(f"--documents must be at least 1, got {args.documents}")
     if min(args.lengths) <= TOPK * PAGE + max(args.tiles):
         raise SystemExit(f"--lengths must exceed {TOPK * PAGE + max(args.tiles)} tokens (16 pages and a tile)")
+    device = checked_device(args.device)
+    output = None if args.output is None else checked_output_path(args.output, "selection_locality",
+                                                                   overwrite=args.overwrite)
+    if args.model is not None:
+        checked_model(args.model)
+        checked_model(args.model, files=TOKENIZER_FILES)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import minimax_m3  # noqa: F401  (registers the Auto classes)
     from .trained_model import trained_model_dir
 
+    enforce_offline()
     path = args.model or str(trained_model_dir())
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     result = measure_selection_locality(model, tokenizer, lengths=args.lengths, documents=args.documents,
                                         tiles=args.tiles)
     result["model"] = path
     print(locality_table(result))
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(result, indent=1))
+    if output is not None:
+        write_json(output, result)
     return result
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    return run_main(run_command, argv)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Statistics for the reports: the paired exact (McNemar) test and median/spread summaries."""
+"""Statistics for the reports: the paired exact (McNemar) test, median/spread summaries and when a spread is noise."""
 
 from __future__ import annotations
 
@@ -6,7 +6,11 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
-__all__ = ["PairedOutcome", "mcnemar_exact_p_value", "paired_outcome", "spread"]
+__all__ = ["PairedOutcome", "mcnemar_exact_p_value", "paired_outcome", "spread", "NOISY_MAX_OVER_MIN", "max_over_min",
+           "is_noisy"]
+
+NOISY_MAX_OVER_MIN = 1.5
+"""A timing whose slowest run takes more than this many times its fastest: its median is not to be trusted."""
 
 
 def mcnemar_exact_p_value(only_first_correct: int, only_second_correct: int) -> float:
@@ -76,3 +80,15 @@ def spread(values: Sequence[float]) -> Optional[dict]:
     if not values:
         return None
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def max_over_min(summary: Optional[dict]) -> Optional[float]:
+    """``max / min`` of a ``spread`` summary; None without one or with a minimum that is not positive."""
+    if not summary or not summary["min"] > 0:
+        return None
+    return summary["max"] / summary["min"]
+
+
+def is_noisy(summary: Optional[dict]) -> bool:
+    ratio = max_over_min(summary)
+    return ratio is not None and ratio > NOISY_MAX_OVER_MIN

@@ -9,9 +9,11 @@ Workloads: fresh prompts at every ``--lengths`` x ``--batch-sizes``, and a chunk
 ``--chunked-context`` token context through the cache in ``--chunk-size`` chunks (Lq << Lk: where the indexer
 dominates). Every prefill keeps only the last position's logits. Per configuration: one warm-up, then one timed
 prefill per ``--seeds`` (its own random prompt); reported are time per prefill (TTFT; per chunk for chunked
-prefill), input tokens/s, peak GPU memory and speed-up over dense, as median and min/max over the seeds. An
-out-of-memory error is reported as OOM. Decode workloads (``eval.decode``): time per output token after a context
-of every ``--decode-contexts`` x ``--decode-batch-sizes``, with CUDA graphs and eagerly. Prefix-cached turns
+prefill), input tokens/s, peak GPU memory and speed-up over dense, as median and min/max over the seeds; a
+configuration whose slowest timing exceeds 1.5 times its fastest is flagged noisy (``*`` in the tables, ``"noisy"``
+and ``"max_over_min"`` in the JSON). An out-of-memory error is reported as OOM. Decode workloads (``eval.decode``):
+time per output token after a context of every ``--decode-contexts`` x ``--decode-batch-sizes``, with CUDA graphs
+and eagerly. Prefix-cached turns
 (``eval.turns``): a ``--turns-prefix`` token prefix in the cache, then ``--turns`` turns of ``--turn-tokens``
 tokens, each timed. Then the sparse-layer-only comparison: one sparse layer's attention
 (indexer + top-k + sparse attention) against the same layer in dense mode (``minimax_m3.bench_prefill``'s
@@ -49,9 +51,12 @@ import torch
 from .decode import FILLS, WARMUP_STEPS, decode_table, measure_decode
 from .turns import measure_turns, turns_table
 from .modes import ALL_MODES, MODE_SETTINGS, NATIVE_MODE, forward_over_cache, indexer_backends_in_use, set_attention_mode
-from .report import checked_output_path, environment, format_number, format_table, plot_throughput, write_json
+from .cli import add_debug_argument, checked_model, run_main
+from .report import (checked_output_path, environment, format_number, format_table, noise_footnote, noisy_mark,
+                     plot_throughput, write_json)
 from .devices import checked_device
-from .stats import spread
+from .offline import enforce_offline
+from .stats import is_noisy, max_over_min, spread
 from .timing import peak_memory_gib, release_memory, reset_peak_memory, time_steps
 
 __all__ = ["Workload", "ModelSpec", "GPU_DEFAULTS", "CPU_DEFAULTS", "run_throughput", "throughput_table",
@@ -265,6 +270,15 @@ def measure(model, mode: str, workload: Workload, seeds: Sequence[int], warmup: 
     return result
 
 
+def flag_noise(result: dict) -> dict:
+    """``max_over_min`` of the timings (None for a row that did not finish) and ``noisy`` when it exceeds
+    ``eval.stats.NOISY_MAX_OVER_MIN``: a median between far-apart timings says little."""
+    summary = result.get("seconds") if result.get("status") == "ok" else None
+    result["max_over_min"] = max_over_min(summary)
+    result["noisy"] = is_noisy(summary)
+    return result
+
+
 def add_speedups(results: list) -> None:
     """``speedup_vs_dense``: dense median seconds / this median seconds, for the same workload."""
     def key(r):
@@ -361,13 +375,14 @@ def run_throughput(spec: ModelSpec, *, modes: Sequence[str], workloads: Sequence
             with locality:
                 for workload in workloads:
                     progress.set_description(f"{mode}, {workload.label}, {workload.length} x {workload.batch_size}")
-                    results.append(measure(model, mode, workload, seeds, warmup, vocab_size, input_device, devices))
+                    results.append(flag_noise(measure(model, mode, workload, seeds, warmup, vocab_size, input_device,
+                                                      devices)))
                     progress.update(1)
                     report_progress()
         model = None
         release_memory()
         if NATIVE_MODE in modes:
-            results += measure_native(spec, config, workloads, seeds, warmup, progress)
+            results += [flag_noise(r) for r in measure_native(spec, config, workloads, seeds, warmup, progress)]
             report_progress()
         config_summary = summarize_config(config)
         sparse_layer = (sparse_layer_comparison(config, attention_lengths, spec, attention_repeats, attention_selection,
@@ -444,7 +459,7 @@ def throughput_table(results: Sequence[dict]) -> str:
             continue
         chunk = r.get("chunk_seconds")
         rows.append(common + [
-            _ms(r["seconds"]),
+            _ms(r["seconds"]) + noisy_mark(r),
             f"{chunk['median'] * 1e3:,.1f} / {chunk['last'] * 1e3:,.1f}" if chunk else "-",
             format_number(r["tokens_per_second"]["median"]),
             format_number(r["peak_memory_gib"]),
@@ -484,6 +499,7 @@ def print_throughput_report(result: dict, stream=None) -> None:
           f"{','.join(map(str, result['seeds']))} (median [min–max]); logits of the last position only{selection}",
           file=stream)
     print(throughput_table(result["results"]), file=stream)
+    _print_footnote([r for r in result["results"] if r["workload"] in ("fresh", "chunked")], stream)
     decoded = [r for r in result["results"] if r["workload"] == "decode"]
     if decoded:
         fills = sorted({r.get("fill", "prefill") for r in decoded})
@@ -491,11 +507,13 @@ def print_throughput_report(result: dict, stream=None) -> None:
               f"replays over a static cache, as generate runs on CUDA, and on the CPU the same step uncaptured; "
               f"median [min–max] over the steps of every seed)", file=stream)
         print(decode_table(decoded), file=stream)
+        _print_footnote(decoded, stream)
     turns = [r for r in result["results"] if r["workload"] == "turns"]
     if turns:
         print("\nPrefix-cached turns: each turn's tokens in one forward over the cached prefix and the earlier turns "
               "(TTFT per turn; median [min–max] over the turns of every seed)", file=stream)
         print(turns_table(turns), file=stream)
+        _print_footnote(turns, stream)
     reasons = sorted({(r["mode"], r["status"], r["reason"]) for r in result["results"] if r.get("reason")})
     for mode, status, reason in reasons:
         print(f"{mode}: {status}: {reason}", file=stream)
@@ -504,6 +522,12 @@ def print_throughput_report(result: dict, stream=None) -> None:
               f"selections (block: projections, norms, RoPE and attention; core, CUDA only: indexer + top-k + sparse "
               f"attention against dense attention):", file=stream)
         print(sparse_layer_table(result["sparse_layer"]), file=stream)
+
+
+def _print_footnote(results, stream) -> None:
+    footnote = noise_footnote(results)
+    if footnote:
+        print(footnote, file=stream)
 
 
 # ------------------------------------------------------------------ command line
@@ -571,13 +595,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--turns", type=int, default=None, help="timed turns per seed (default 4 on CUDA, 2 otherwise)")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output (and its plot)")
-    return parser
+    return add_debug_argument(parser)
 
 
 def resolve_arguments(args) -> dict:
     """Model spec, modes, workloads and seeds from the parsed arguments, with the no-CUDA fallback (logged)."""
     if args.preset and args.model:
         raise SystemExit("pass either --preset or --model, not both")
+    if args.model is not None and args.selection == "clustered":
+        raise SystemExit("--selection clustered replaces a random-weight preset's selections; a checkpoint's indexer "
+                         "selects its own pages (use a --preset)")
+    if args.device_map is not None and args.model is None:
+        raise SystemExit("--device-map applies to --model only (presets run on --device)")
+    if args.sparse_layers < 1:
+        raise SystemExit(f"--sparse-layers must be >= 1, got {args.sparse_layers}")
+    if args.chunked_context is not None and args.chunked_context < 0:
+        raise SystemExit(f"--chunked-context must not be negative (0: no chunked prefill), got {args.chunked_context}")
+    if args.model is not None:
+        checked_model(args.model)
     device = checked_device(args.device)
     on_gpu = device.type == "cuda"
     defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
@@ -659,6 +694,7 @@ def run_command(argv=None) -> dict:
     """The command line's work; returns the results (``main`` is the console-script entry point)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = build_parser().parse_args(argv)
+    enforce_offline()  # a --model hub id resolves from the local cache only, as checked_model requires
     resolved = resolve_arguments(args)
     path = checked_output_path(args.output, "throughput", overwrite=args.overwrite)
     if not args.no_plot and path.with_suffix(".png").exists() and not args.overwrite:
@@ -684,7 +720,7 @@ def run_command(argv=None) -> dict:
 
 
 def main(argv=None) -> None:
-    run_command(argv)
+    run_main(run_command, argv)
 
 
 if __name__ == "__main__":

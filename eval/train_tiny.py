@@ -43,11 +43,13 @@ from indexer.contract import DEFAULT_TOPK, HEAD_DIM, PAGE_SIZE
 from minimax_m3 import MiniMaxM3Config, MiniMaxM3ForCausalLM
 from minimax_m3.modeling_minimax_m3 import MiniMaxM3SparseMoeBlock
 
+from .cli import UsageError, add_debug_argument, run_main
 from .devices import device_argument
 from .indexer_distillation import indexer_distillation_loss, indexer_parameter_names
 from .layer_inputs import capture_sparse_layer_inputs, single_pass
 from .modes import attention_mode, set_attention_mode
 from .recall import RecallAccumulator
+from .report import checked_output_directory
 from .synthetic_retrieval import TASKS, RetrievalBatch, RetrievalDataConfig, RetrievalDataGenerator, build_retrieval_tokenizer
 from .training_curves import plot_training_curves
 
@@ -313,14 +315,14 @@ class Trainer:
         self.state_path = self.output / STATE_DIRECTORY / "state.pt"
         self.log_path = self.output / LOG_FILE
         if self.state_path.exists() and not resume:
-            raise ValueError(f"--output {self.output} already holds a training state: pass --resume to continue it "
+            raise UsageError(f"--output {self.output} already holds a training state: pass --resume to continue it "
                              f"or choose another --output")
         if not resume and self.output.exists() and (not self.output.is_dir() or any(self.output.iterdir())):
             held = "a file" if not self.output.is_dir() else ", ".join(sorted(p.name for p in self.output.iterdir())[:5])
-            raise ValueError(f"--output {self.output} is not empty (it holds {held}): a new run writes only into a new "
+            raise UsageError(f"--output {self.output} is not empty (it holds {held}): a new run writes only into a new "
                              f"or empty directory, so no model or log there is replaced; choose another --output")
         if resume and not self.state_path.exists():
-            raise ValueError(f"--resume: no training state at {self.state_path}")
+            raise UsageError(f"--resume: no training state at {self.state_path}")
 
         self.tokenizer = build_retrieval_tokenizer(MAX_POSITIONS)
         self._generators: Dict[RetrievalDataConfig, RetrievalDataGenerator] = {}
@@ -386,7 +388,7 @@ class Trainer:
     def _load_state(self) -> None:
         state = torch.load(self.state_path, map_location=self.device, weights_only=False)
         if (state["plan"], state["seed"]) != (self.plan.name, self.seed):
-            raise ValueError(f"the state at {self.state_path} is of plan {state['plan']!r} with seed {state['seed']}; "
+            raise UsageError(f"the state at {self.state_path} is of plan {state['plan']!r} with seed {state['seed']}; "
                              f"this command asks for plan {self.plan.name!r} with seed {self.seed} (--smoke, --seed)")
         self.model.load_state_dict(state["model"])
         self.progress = Progress(**state["progress"])
@@ -499,7 +501,7 @@ class Trainer:
             if stage not in stages:
                 later = [s for s in stages if s > stage]
                 if later:
-                    raise ValueError(f"--stage {later[0]} needs stage {stage} complete first (the run is at stage "
+                    raise UsageError(f"--stage {later[0]} needs stage {stage} complete first (the run is at stage "
                                      f"{self.progress.stage}, step {self.progress.stage_step})")
                 return
             if self.optimizer is None:
@@ -672,11 +674,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lm-loss-weight", type=float, default=None,
                         help="add this weight times the next-token loss over whole documents to stage 1's answer loss "
                              "(default: the plan's, 0: answers only)")
-    return parser
+    return add_debug_argument(parser)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command line (no ``argv``: the console script, ``python -m``) reports errors in one line
+    (``eval.cli.run_main``); called with ``argv``, from code, it raises them, as callers of ``main(argv)`` expect."""
+    if argv is None:
+        return run_main(run_command)
+    return run_command(argv)
+
+
+def run_command(argv: Optional[Sequence[str]] = None) -> int:
     arguments = build_parser().parse_args(argv)
+    checked_output_directory(arguments.output)  # whether it may hold something is the trainer's check
     if arguments.max_minutes is not None and arguments.max_minutes <= 0:
         raise SystemExit("--max-minutes must be positive")
     if arguments.max_steps is not None and arguments.max_steps < 0:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from .report import pyplot, save_figure
+from .cli import add_debug_argument, run_main
+from .report import checked_output_path, pyplot, save_figure
 
-__all__ = ["read_log", "plot_training_curves", "main"]
+__all__ = ["read_log", "plot_training_curves", "run_command", "main"]
 
 
 def read_log(path: Path) -> List[dict]:
@@ -61,16 +61,28 @@ def plot_training_curves(records: Sequence[dict], output: Path) -> Path:
     return save_figure(figure, output, dpi=100)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def run_command(argv: Optional[Sequence[str]] = None) -> Path:
+    """The command line's work; returns the plot's path (``main`` is the command-line entry point)."""
     parser = argparse.ArgumentParser(prog="python -m eval.training_curves", description=__doc__.splitlines()[0].replace("``", "`"))
     parser.add_argument("run", type=Path, help="the run's output directory (holds training_log.jsonl)")
-    parser.add_argument("--output", type=Path, default=None, help="PNG path (default: RUN/training_curves.png)")
-    arguments = parser.parse_args(argv)
+    parser.add_argument("--output", type=Path, default=None,
+                        help="PNG path (default: RUN/training_curves.png; an existing file is replaced)")
+    arguments = add_debug_argument(parser).parse_args(argv)
     log = arguments.run / "training_log.jsonl"
     if not log.is_file():
-        raise SystemExit(f"{arguments.run}: no training_log.jsonl")
-    print(f"curves: {plot_training_curves(read_log(log), arguments.output or arguments.run / 'training_curves.png')}")
+        raise SystemExit(f"{arguments.run}: no training_log.jsonl (give the --output directory of python -m "
+                         f"eval.train_tiny)")
+    # no --overwrite: the plot is redrawn in place, as the trainer's export does; only unwritable paths are refused
+    output = checked_output_path(arguments.output or arguments.run / "training_curves.png", "training_curves",
+                                 overwrite=True, suffix=".png")
+    path = plot_training_curves(read_log(log), output)
+    print(f"curves: {path}")
+    return path
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    run_main(run_command, argv)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

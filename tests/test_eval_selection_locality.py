@@ -47,4 +47,4 @@ def test_command_reports_every_variant_on_the_trained_model(tmp_path, capsys):
 
 def test_lengths_must_leave_tiles_beyond_the_first_16_pages():
     with pytest.raises(SystemExit, match="must exceed"):
-        sl.main(["--lengths", "2048", "--device", "cpu"])
+        sl.run_command(["--lengths", "2048", "--device", "cpu"])

@@ -1,5 +1,6 @@
 """eval.throughput on CPU with tiny models and short lengths: the JSON schema, the table, the plot, OOM as OOM,
-the no-CUDA fallback, a checkpoint through --model, and the main job (python -m eval) end to end."""
+noisy timings flagged, the no-CUDA fallback, a checkpoint through --model, and the main job (python -m eval) end to
+end."""
 
 import json
 import logging
@@ -130,7 +131,7 @@ def test_bad_arguments_are_named():
         throughput.resolve_arguments(parser.parse_args(["--modes", "sparse,linear"]))
     with pytest.raises(SystemExit, match="--chunk-size"):
         throughput.resolve_arguments(parser.parse_args(["--chunked-context", "64", "--chunk-size", "128"]))
-    with pytest.raises(ValueError, match="checkpoint's indexer"):  # refused before any model is loaded
+    with pytest.raises(SystemExit, match="checkpoint's indexer"):  # refused before any model is loaded
         throughput.run_command(["--model", "x", "--selection", "clustered", "--no-plot"])
 
 
@@ -192,3 +193,41 @@ def test_the_m3_proportions_preset_has_m3s_layer_mix_at_its_attention_geometry()
     attention = config.num_hidden_layers * config.hidden_size * 2 * (64 + 4) * 128
     assert 6.0e9 < attention < 6.6e9  # about 6.4B parameters of attention
 
+
+
+def test_a_configuration_whose_timings_spread_beyond_1_5x_is_flagged_noisy(isolated, monkeypatch, capsys):
+    """The timer is replaced: per (mode, length), two seeds take the seconds below, so max/min is 1, 1.2, 3 and
+    exactly 1.5 (not above the limit)."""
+    from matplotlib.container import ErrorbarContainer
+
+    from eval import report
+
+    seconds = iter([1.0, 1.0, 1.0, 1.2, 1.0, 3.0, 2.0, 3.0])  # sparse 32, sparse 64, dense 32, dense 64
+    monkeypatch.setattr(throughput, "time_steps", lambda steps, devices: [next(seconds)])
+    figures, real_save_figure = [], report.save_figure
+
+    def save_figure(figure, path, **kwargs):
+        figures.append(figure)
+        return real_save_figure(figure, path, **kwargs)
+
+    monkeypatch.setattr(report, "save_figure", save_figure)
+    output = isolated / "noisy.json"
+    throughput.run_command(["--preset", "tiny", "--modes", "sparse,dense", "--lengths", "32,64", "--seeds", "0,1",
+                            "--warmup", "0", "--chunked-context", "0", "--decode-contexts", "", "--turns-prefix", "0",
+                            "--attention-lengths", "", "--output", str(output)])
+
+    rows = {(r["mode"], r["length"]): r for r in json.loads(output.read_text())["results"]}
+    assert {key: (r["noisy"], r["max_over_min"]) for key, r in rows.items()} == {
+        ("sparse", 32): (False, 1.0), ("sparse", 64): (False, pytest.approx(1.2)), ("dense", 32): (True, 3.0),
+        ("dense", 64): (False, 1.5)}
+
+    printed = capsys.readouterr().out
+    marked = [line for line in printed.splitlines() if line.startswith("| fresh") and "] *" in line]
+    assert len(marked) == 1 and "| dense" in marked[0] and "| 32 " in marked[0]
+    assert "* noisy: the slowest timing took more than 1.5x the fastest (up to 3.00x here)" in printed
+
+    (figure,) = figures
+    bars = {c.get_label(): c for c in figure.axes[0].containers if isinstance(c, ErrorbarContainer)}
+    assert set(bars) == {"sparse", "dense"}
+    segments = [segment.tolist() for segment in bars["dense"].lines[2][0].get_segments()]  # x by x: min to max
+    assert segments == [[[32, pytest.approx(32 / 3)], [32, 32]], [[64, pytest.approx(64 / 3)], [64, 32]]]

@@ -20,7 +20,10 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["VARIANTS", "RetrievalVariant", "make_documents", "write_variant", "main", "KV_LINE", "QUESTION", "PREAMBLE"]
+from ..cli import add_debug_argument, run_main
+from ..report import checked_output_directory
+
+__all__ = ["VARIANTS", "RetrievalVariant", "make_documents", "write_variant", "run_command", "main", "KV_LINE", "QUESTION", "PREAMBLE"]
 
 DATA_DIRECTORY = Path(__file__).resolve().parent / "data"
 
@@ -95,13 +98,20 @@ def write_variant(variant: RetrievalVariant, directory: Path = DATA_DIRECTORY) -
     return path
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0].replace("``", ""))
-    parser.add_argument("--output-dir", type=Path, default=DATA_DIRECTORY, help="where to write the jsonl files")
-    args = parser.parse_args(argv)
+def run_command(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eval.tasks.make_retrieval",
+                                     description=__doc__.splitlines()[0].replace("``", ""))
+    parser.add_argument("--output-dir", type=Path, default=DATA_DIRECTORY,
+                        help="where to write the jsonl files (the shipped data by default; existing files are replaced)")
+    args = add_debug_argument(parser).parse_args(argv)
+    checked_output_directory(args.output_dir, "--output-dir")
     for variant in VARIANTS:
         path = write_variant(variant, args.output_dir)
         print(f"{path}: {variant.num_documents} documents of {variant.num_pairs} pairs ({path.stat().st_size:,} bytes)")
+
+
+def main(argv=None) -> None:
+    run_main(run_command, argv)
 
 
 if __name__ == "__main__":
