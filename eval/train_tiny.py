@@ -678,11 +678,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """The command line (no ``argv``: the console script, ``python -m``) reports errors in one line
-    (``eval.cli.run_main``); called with ``argv``, from code, it raises them, as callers of ``main(argv)`` expect."""
-    if argv is None:
-        return run_main(run_command)
-    return run_command(argv)
+    """The command line: errors in one line (``eval.cli.run_main``); ``run_command`` raises them instead."""
+    return run_main(run_command, argv)
 
 
 def run_command(argv: Optional[Sequence[str]] = None) -> int:

@@ -154,7 +154,7 @@ def test_argparse_errors_help_and_interrupts_keep_their_own_output(paths, capsys
 
 
 def test_train_tinys_command_line_refuses_a_directory_that_holds_something(paths, monkeypatch, capsys):
-    """Called as the command line (no argv) it reports in one line; ``main(argv)`` from code raises, as before."""
+    """``main`` reports in one line, from the command line or with argv; ``run_command`` raises."""
     (paths["empty"] / "notes.txt").write_text("keep")
     argv = ["--smoke", "--output", str(paths["empty"]), "--device", "cpu"]
     monkeypatch.setattr(sys, "argv", ["python -m eval.train_tiny", *argv])
@@ -162,8 +162,10 @@ def test_train_tinys_command_line_refuses_a_directory_that_holds_something(paths
     assert status == 2
     assert_one_line(stderr, f"--output {paths['empty']} is not empty (it holds notes.txt)")
     assert sorted(p.name for p in paths["empty"].iterdir()) == ["notes.txt"]
+    status, stderr = failed(train_tiny.main, argv, capsys)
+    assert status == 2 and "is not empty" in stderr
     with pytest.raises(ValueError, match="is not empty"):
-        train_tiny.main(argv)
+        train_tiny.run_command(argv)
 
 
 def test_lm_eval_cli_hands_over_all_but_debug(monkeypatch, capsys):

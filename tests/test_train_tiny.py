@@ -116,17 +116,17 @@ def test_resuming_under_a_changed_plan_is_logged(smoke_run, tmp_path, monkeypatc
 
 def test_refusals(smoke_run, tmp_path):
     with pytest.raises(ValueError, match="already holds a training state"):
-        train_tiny.main(["--smoke", "--output", str(smoke_run), "--device", "cpu"])
+        train_tiny.run_command(["--smoke", "--output", str(smoke_run), "--device", "cpu"])
     with pytest.raises(ValueError, match="no training state"):
-        train_tiny.main(["--smoke", "--output", str(tmp_path / "empty"), "--device", "cpu", "--resume"])
+        train_tiny.run_command(["--smoke", "--output", str(tmp_path / "empty"), "--device", "cpu", "--resume"])
     with pytest.raises(ValueError, match="needs stage 1 complete"):
-        train_tiny.main(["--smoke", "--output", str(tmp_path / "fresh"), "--device", "cpu", "--stage", "2"])
+        train_tiny.run_command(["--smoke", "--output", str(tmp_path / "fresh"), "--device", "cpu", "--stage", "2"])
     finished = tmp_path / "finished"
     shutil.copytree(smoke_run, finished)
     with pytest.raises(ValueError, match="plan 'smoke' with seed"):
-        train_tiny.main(["--smoke", "--output", str(finished), "--device", "cpu", "--resume", "--seed", "7"])
+        train_tiny.run_command(["--smoke", "--output", str(finished), "--device", "cpu", "--resume", "--seed", "7"])
     with pytest.raises(SystemExit):
-        train_tiny.main(["--smoke", "--output", str(tmp_path / "bad"), "--stage", "4"])
+        train_tiny.run_command(["--smoke", "--output", str(tmp_path / "bad"), "--stage", "4"])
 
 
 def test_a_new_run_never_writes_into_a_directory_that_holds_something(smoke_run, tmp_path):
@@ -137,13 +137,13 @@ def test_a_new_run_never_writes_into_a_directory_that_holds_something(smoke_run,
     before = {path: path.read_bytes() for path in exported.rglob("*") if path.is_file()}
     assert (exported / train_tiny.LOG_FILE) in before
     with pytest.raises(ValueError, match="is not empty"):
-        train_tiny.main(["--smoke", "--output", str(exported), "--device", "cpu", "--max-steps", "0"])
+        train_tiny.run_command(["--smoke", "--output", str(exported), "--device", "cpu", "--max-steps", "0"])
     assert {path: path.read_bytes() for path in exported.rglob("*") if path.is_file()} == before
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("keep")
     with pytest.raises(ValueError, match="is not empty"):
-        train_tiny.main(["--smoke", "--output", str(other), "--device", "cpu", "--max-steps", "0"])
+        train_tiny.run_command(["--smoke", "--output", str(other), "--device", "cpu", "--max-steps", "0"])
     assert (other / "notes.txt").read_text() == "keep" and sorted(p.name for p in other.iterdir()) == ["notes.txt"]
 
 
