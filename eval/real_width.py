@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import statistics
 import sys
 import time
@@ -39,10 +38,13 @@ import torch
 from minimax_m3 import MiniMaxM3Cache, MiniMaxM3Config
 from minimax_m3.bench_prefill import clustered_selections
 from minimax_m3.configuration_minimax_m3 import DENSE_MLP, FULL_ATTENTION, SPARSE_ATTENTION
+from minimax_m3.timing import timed_seconds
 
 from .devices import checked_device
 from .modes import attention_mode
 from .report import checked_output_path, write_json
+from .retrieval_accuracy import positive_ints
+from .timing import peak_memory_gib, release_memory, reset_peak_memory
 
 __all__ = ["release_layer_counts", "LayerPartTimer", "estimate_time_to_first_token", "experts_flops",
            "quadratic_extrapolation", "matmul_tflops", "run", "main"]
@@ -118,16 +120,7 @@ class LayerPartTimer:
 
 def _timed(fn, device: torch.device) -> float:
     """Milliseconds of one call of ``fn``."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    begin = time.perf_counter()
-    fn()
-    return (time.perf_counter() - begin) * 1e3
+    return timed_seconds(fn, device) * 1e3
 
 
 def matmul_tflops(device: torch.device, size: Optional[int] = None, repeats: int = 20) -> float:
@@ -189,24 +182,9 @@ def quadratic_extrapolation(points: Sequence[tuple], length: int) -> float:
 
 
 # ------------------------------------------------------------------ the slice
-def _release(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def _ids(config, length: int, seed: int, device) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(FIRST_REGULAR_TOKEN, config.vocab_size, (1, length), generator=generator).to(device)
-
-
-def _peak_gib(device) -> Optional[float]:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-
-
-def _reset_peak(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
 
 
 def time_workloads(model, config, device, lengths: Sequence[int], chunk: int, chunk_context: int, repeats: int,
@@ -253,14 +231,14 @@ def _time_one(model, config, device, timer, repeats, workload, length, native, c
                 timer.collect()
             runs = []
             for _ in range(repeats):
-                _reset_peak(device)
+                reset_peak_memory([device])
                 milliseconds = _timed(call, device)
-                runs.append((milliseconds, timer.collect() if timer is not None else {}, _peak_gib(device)))
+                runs.append((milliseconds, timer.collect() if timer is not None else {}, peak_memory_gib([device])))
     except torch.OutOfMemoryError:
         row["status"] = "OOM"
     if row.get("status") == "OOM":
         state = call = None
-        _release(device)
+        release_memory()
         return row
     runs.sort(key=lambda run: run[0])
     milliseconds, parts, peak = runs[len(runs) // 2]
@@ -268,7 +246,7 @@ def _time_one(model, config, device, timer, repeats, workload, length, native, c
                parts={f"{index}.{part}": value for (index, part), value in sorted(parts.items())})
     row["_parts"] = parts
     state = None
-    _release(device)
+    release_memory()
     return row
 
 
@@ -312,7 +290,7 @@ def slice_part(checkpoint: Path, device, modes: Sequence[str], lengths, chunk, c
     flush(result)
     native_config = config
     model = None
-    _release(device)
+    release_memory()
     if "native" in modes:
         from minimax_m3.bench_prefill import build
 
@@ -328,7 +306,7 @@ def slice_part(checkpoint: Path, device, modes: Sequence[str], lengths, chunk, c
                 runs.append({"mode": "native", **row})
                 flush(result)
         native = None
-        _release(device)
+        release_memory()
     return result
 
 
@@ -369,7 +347,7 @@ def layer_part(device, lengths: Sequence[int], dense_max: int, repeats: int, sel
         row = {key: None if isinstance(value, float) and value != value else value for key, value in row.items()}
         row["dense_timed"] = "dense" in modes
         rows.append(row)
-        _release(device)
+        release_memory()
         flush(result)
     for key in ("dense_core_seconds", "dense_attention_seconds"):
         points = [(r["length"], r[key]) for r in rows if r["dense_timed"] and r.get(key) is not None]
@@ -437,14 +415,9 @@ def print_report(result: dict, stream=None) -> None:
 
 
 # ------------------------------------------------------------------ command line
-def _lengths(text: str, name: str) -> list:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise SystemExit(f"{name}: comma-separated token counts, got {text!r}") from None
-    if any(value < 1 for value in values):
-        raise SystemExit(f"{name}: token counts must be >= 1, got {text!r}")
-    return values
+def _optional_positive_ints(text: str) -> tuple:
+    """``positive_ints``, or nothing for an empty string (that part is skipped)."""
+    return positive_ints(text) if text.strip() else ()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -452,13 +425,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint", type=Path, default=None,
                         help="a checkpoint at the release's shapes (python -m minimax_m3.synthetic_checkpoint)")
     parser.add_argument("--modes", default="sparse,dense,native", help="of sparse, dense, native")
-    parser.add_argument("--lengths", default="32768,131072", help="fresh prefill lengths")
+    parser.add_argument("--lengths", type=positive_ints, default=(32768, 131072), help="fresh prefill lengths")
     parser.add_argument("--chunk", type=int, default=2048, help="chunk tokens (0: no chunk workload)")
     parser.add_argument("--chunk-context", type=int, default=131072, help="where the chunk ends")
     parser.add_argument("--experts-length", type=int, default=32768,
                         help="the fresh length whose sparse layers' MoE is set against the matmul rate")
-    parser.add_argument("--native-lengths", default="8192,32768,131072")
-    parser.add_argument("--layer-lengths", default="131072,262144,1048576",
+    parser.add_argument("--native-lengths", type=positive_ints, default=(8192, 32768, 131072))
+    parser.add_argument("--layer-lengths", type=_optional_positive_ints, default=(131072, 262144, 1048576),
                         help="one sparse layer's attention at these lengths ('' : skip)")
     parser.add_argument("--layer-dense-max", type=int, default=262144,
                         help="the longest length whose dense attention is timed (longer ones are extrapolated)")
@@ -479,9 +452,7 @@ def run(argv=None) -> dict:
     unknown = sorted(set(modes) - {"sparse", "dense", "native"})
     if unknown:
         raise SystemExit(f"--modes: unknown {unknown}; choose from sparse, dense, native")
-    lengths = _lengths(args.lengths, "--lengths")
-    native_lengths = _lengths(args.native_lengths, "--native-lengths")
-    layer_lengths = _lengths(args.layer_lengths, "--layer-lengths")
+    lengths, native_lengths, layer_lengths = args.lengths, args.native_lengths, args.layer_lengths
     for name, value in (("--repeats", args.repeats), ("--chunk-context", args.chunk_context)):
         if value < 1:
             raise SystemExit(f"{name} must be >= 1, got {value}")

@@ -16,13 +16,13 @@ import contextlib
 import json
 import statistics
 import sys
-import time
 
 import torch
 
 from . import MiniMaxM3Config, MiniMaxM3ForCausalLM
 from .configuration_minimax_m3 import SPARSE_ATTENTION
 from .sparse_attention import SPARSE_ATTENTION_FUNCTIONS
+from .timing import timed_seconds
 
 
 REAL_MOE = dict(intermediate_size=3072, dense_intermediate_size=12288, shared_intermediate_size=3072,
@@ -95,16 +95,7 @@ def build(mode: str, config: MiniMaxM3Config, device, dtype, experts_implementat
 def measure(fn, device, repeats: int):
     """Median seconds of ``fn`` after one warm-up, and the peak memory of the last run (CUDA)."""
     def run_once():
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        begin = time.perf_counter()
-        fn()
-        return time.perf_counter() - begin
+        return timed_seconds(fn, device)
 
     run_once()
     times = []

@@ -85,13 +85,20 @@ def test_both_parts_end_to_end_on_a_tiny_slice(isolated, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--modes", "sparse,fast"], "--modes: unknown ['fast']"),
     (["--chunk", "200", "--chunk-context", "100"], "--chunk must lie in [0, --chunk-context)"),
-    (["--lengths", "8K"], "--lengths: comma-separated token counts"),
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--layer-lengths", ""], "nothing to run"),
 ])
 def test_bad_arguments_are_named_before_any_work(isolated, argv, message):
     with pytest.raises(SystemExit, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(").replace(")", r"\)")):
         real_width.run([*argv, "--device", "cpu", "--output", str(isolated / "x.json")])
+    assert not (isolated / "x.json").exists()
+
+
+@pytest.mark.parametrize("argv", [["--lengths", "8K"], ["--native-lengths", "0"], ["--layer-lengths", "1,-2"]])
+def test_bad_lengths_are_argument_errors(isolated, argv, capsys):
+    with pytest.raises(SystemExit) as exited:
+        real_width.run([*argv, "--device", "cpu", "--output", str(isolated / "x.json")])
+    assert exited.value.code == 2 and argv[0] in capsys.readouterr().err
     assert not (isolated / "x.json").exists()
 
 
