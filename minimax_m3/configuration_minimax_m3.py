@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from transformers import PreTrainedConfig
 
-__all__ = ["MiniMaxM3Config", "ROPE_TYPES", "FULL_ATTENTION", "SPARSE_ATTENTION", "DENSE_MLP", "MOE_MLP"]
+__all__ = ["MiniMaxM3Config", "ROPE_TYPES", "SILU_AND_MUL", "SWIGLU_OAI_ACTS", "FULL_ATTENTION", "SPARSE_ATTENTION", "DENSE_MLP", "MOE_MLP"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,12 @@ _POSITIVE_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attenti
                   "num_local_experts", "num_experts_per_tok", "max_position_embeddings", "index_n_heads",
                   "index_head_dim", "index_block_size", "index_topk_blocks", "max_score_buffer_bytes")
 _POSITIVE_NUMBERS = ("rms_norm_eps", "routed_scaling_factor")
-_HIDDEN_ACTS = ("swigluoai", "silu")
+SWIGLU_OAI_ACTS = ("swigluoai", "silu")
+"""``hidden_act`` values meaning SwiGLU-OAI: ``"silu"`` is what transformers' native MiniMax-M3 config writes for it."""
+SILU_AND_MUL = "silu_and_mul"
+"""``hidden_act`` of a plain SiLU-gated MLP, ``silu(gate) * up`` (Llama's; vLLM's ``SiluAndMul``): for models
+converted to this architecture. Not ``"silu"``, which transformers' native config uses for SwiGLU-OAI."""
+_HIDDEN_ACTS = SWIGLU_OAI_ACTS + (SILU_AND_MUL,)
 _NATIVE_TYPES = ("minimax_m3_vl_text",)
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 """``rope_parameters["rope_type"]`` values the model serves (transformers' own RoPE initialisation functions compute
@@ -65,8 +70,17 @@ class MiniMaxM3Config(PreTrainedConfig):
     or two spellings of one field that disagree, raises a ``ValueError`` naming the field.
 
     Of the checkpoint's fields:
-        hidden_act (`str`, defaults to `"swigluoai"`): the MLP activation, always SwiGLU-OAI (`swiglu_alpha`,
-            `swiglu_limit`, `swiglu_beta`); `"silu"`, which transformers' native config writes for it, means the same.
+        hidden_act (`str`, defaults to `"swigluoai"`): the gated activation of every MLP and expert. `"swigluoai"`
+            is the release's SwiGLU-OAI (`swiglu_alpha`, `swiglu_limit`, `swiglu_beta`); `"silu"`, which transformers'
+            native config writes for it, means the same. `"silu_and_mul"` is a plain `silu(gate) * up` (Llama's MLP),
+            for dense models converted to this architecture.
+        use_gemma_norm (`bool`, defaults to `True`): every RMSNorm is Gemma's `x_hat * (1 + w)` (weights stored as the
+            offset `w`, zeros at init); `False` gives the standard `x_hat * w` (ones at init).
+        use_qk_norm (`bool`, defaults to `True`): attention's per-head RMSNorm of q and k before RoPE (`q_norm`,
+            `k_norm`); `False` rotates the projections as they are and the layers have no such weights. The index
+            path always has its norms (`index_q_norm`, `index_k_norm`).
+        partial_rotary_factor / rotary_dim: the rotated share of each head (the release: half); `1` rotates all.
+        tie_word_embeddings (`bool`, defaults to `False`): `lm_head` shares `embed_tokens`' weight.
         sparse_attention_config (`dict`): the hub spelling; its `use_sparse_attention = false` makes every layer
             full attention (a layer pattern that still marks sparse layers raises).
 
@@ -117,6 +131,8 @@ class MiniMaxM3Config(PreTrainedConfig):
         swiglu_limit: float = 7.0,
         swiglu_beta: float = 1.0,
         hidden_act: str = "swigluoai",
+        use_gemma_norm: bool = True,
+        use_qk_norm: bool = True,
         rms_norm_eps: float = 1e-6,
         max_position_embeddings: int = 524288,
         rope_theta: Optional[float] = None,
@@ -166,6 +182,8 @@ class MiniMaxM3Config(PreTrainedConfig):
         self.swiglu_limit = swiglu_limit
         self.swiglu_beta = swiglu_beta
         self.hidden_act = hidden_act
+        self.use_gemma_norm = use_gemma_norm
+        self.use_qk_norm = use_qk_norm
         self.rms_norm_eps = rms_norm_eps
         self.max_position_embeddings = max_position_embeddings
         self.initializer_range = initializer_range
@@ -280,6 +298,8 @@ class MiniMaxM3Config(PreTrainedConfig):
         self.partial_rotary_factor = partial_rotary_factor if partial_rotary_factor is not None else rotary_dim / head_dim
 
         self.validate_minimax_m3()  # before transformers' own validators, whose messages are less specific
+        if not isinstance(tie_word_embeddings, bool):
+            raise ValueError(f"tie_word_embeddings must be true or false, got {tie_word_embeddings!r}")
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
@@ -306,8 +326,11 @@ class MiniMaxM3Config(PreTrainedConfig):
         if not _is_number(self.attention_dropout) or not 0 <= self.attention_dropout < 1:
             raise ValueError(f"attention_dropout must be a number in [0, 1), got {self.attention_dropout!r}")
         if self.hidden_act not in _HIDDEN_ACTS:
-            raise ValueError(f"hidden_act must be 'swigluoai' (or 'silu', transformers' name for it), got "
-                             f"{self.hidden_act!r}")
+            raise ValueError(f"hidden_act must be 'swigluoai' (or 'silu', transformers' name for it) or "
+                             f"'silu_and_mul' (a plain SiLU-gated MLP), got {self.hidden_act!r}")
+        for name in ("use_gemma_norm", "use_qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
     def validate_minimax_m3(self) -> None:
         """Clear errors for configurations the model cannot run."""

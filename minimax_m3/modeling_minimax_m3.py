@@ -26,7 +26,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from indexer import score_row_pitch
 
 from .cache import MiniMaxM3Cache, MiniMaxM3StaticCache
-from .configuration_minimax_m3 import DENSE_MLP, SPARSE_ATTENTION, MiniMaxM3Config
+from .configuration_minimax_m3 import DENSE_MLP, SILU_AND_MUL, SPARSE_ATTENTION, MiniMaxM3Config
 from .decode_graphs import DecodeGraph, decode_graph_obstacle
 from .dense_attention import ALL_ATTENTION_FUNCTIONS, check_served, dense_attention, eager_attention_forward
 from .experts import EXPERTS_FUNCTIONS
@@ -40,46 +40,50 @@ __all__ = ["MiniMaxM3PreTrainedModel", "MiniMaxM3Model", "MiniMaxM3ForCausalLM"]
 
 
 class MiniMaxM3RMSNorm(nn.Module):
-    """Gemma-style RMSNorm ``x_hat * (1 + w)`` in fp32; the weight stores the offset ``w`` (zeros at init). Given
-    ``cos`` / ``sin``, the normed heads are also rotated (``norm_and_rope``); given ``residual``, ``x`` is added to
-    it first and the sum is returned too. Inside the module's forward, so offload hooks bring the weight."""
+    """RMSNorm in fp32: Gemma's ``x_hat * (1 + w)`` (``gemma``, the release's; the weight stores the offset ``w``,
+    zeros at init) or the standard ``x_hat * w`` (ones at init). Given ``cos`` / ``sin``, the normed heads are also
+    rotated (``norm_and_rope``); given ``residual``, ``x`` is added to it first and the sum is returned too. Inside
+    the module's forward, so offload hooks bring the weight."""
 
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, gemma: bool = True):
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(size))
+        self.offset = 1.0 if gemma else 0.0  # the scale is offset + w
+        self.weight = nn.Parameter(torch.full((size,), 1.0 - self.offset))
         self.eps = eps
 
     def forward(self, x: torch.Tensor, cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None,
                 index_dtype: Optional[str] = None, residual: Optional[torch.Tensor] = None):
         if residual is not None:  # a residual stream's sum and its norm: ``(residual + x, norm(residual + x))``
             if fuse(x):
-                return compiled("add_and_norm", _add_and_norm_math)(x, residual, self.weight, self.eps)
-            return _add_and_norm_math(x, residual, self.weight, self.eps)
+                return compiled("add_and_norm", _add_and_norm_math)(x, residual, self.weight, self.eps, self.offset)
+            return _add_and_norm_math(x, residual, self.weight, self.eps, self.offset)
         if index_dtype is not None:  # the index path: normed, rotated, then cast (``to_index_dtype``)
             if fuse(x):
-                return compiled("norm_rope_and_cast", _norm_rope_and_cast_math)(x, self.weight, self.eps, cos, sin,
-                                                                                index_dtype)
-            return _norm_rope_and_cast_math(x, self.weight, self.eps, cos, sin, index_dtype)
+                return compiled("norm_rope_and_cast", _norm_rope_and_cast_math)(x, self.weight, self.eps, self.offset,
+                                                                                cos, sin, index_dtype)
+            return _norm_rope_and_cast_math(x, self.weight, self.eps, self.offset, cos, sin, index_dtype)
         if cos is not None:
             if fuse(x):
                 # one compiled kernel: the eager version makes ~10 passes over the [T, 64, 128] queries (fp32
                 # upcasts, cat), 40 % of a 128K-token attention block
-                return compiled("norm_and_rope", _norm_and_rope_math)(x, self.weight, self.eps, cos, sin)
-            return apply_partial_rope(gemma_rms_norm(x, self.weight, self.eps), cos, sin)
+                return compiled("norm_and_rope", _norm_and_rope_math)(x, self.weight, self.eps, self.offset, cos, sin)
+            return _norm_and_rope_math(x, self.weight, self.eps, self.offset, cos, sin)
         if fuse(x):
-            return compiled("gemma_rms_norm", gemma_rms_norm)(x, self.weight, self.eps)
-        return gemma_rms_norm(x, self.weight, self.eps)
+            return compiled("rms_norm", rms_norm)(x, self.weight, self.eps, self.offset)
+        return rms_norm(x, self.weight, self.eps, self.offset)
 
 
-def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 1.0) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * (offset + weight)`` in fp32, in ``x``'s dtype: Gemma's with ``offset`` 1 (the
+    default), the standard RMSNorm with 0."""
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (normed * (1.0 + weight.float())).to(x.dtype)
+    return (normed * (offset + weight.float())).to(x.dtype)
 
 
-def _add_and_norm_math(x, residual, weight, eps: float):
+def _add_and_norm_math(x, residual, weight, eps: float, offset: float):
     total = residual + x
-    return total, gemma_rms_norm(total, weight, eps)
+    return total, rms_norm(total, weight, eps, offset)
 
 
 def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -105,12 +109,19 @@ def norm_and_rope(norm: MiniMaxM3RMSNorm, x: torch.Tensor, cos: torch.Tensor, si
     return norm(x, cos, sin)
 
 
-def _norm_and_rope_math(x, weight, eps: float, cos, sin):
-    return apply_partial_rope(gemma_rms_norm(x, weight, eps), cos, sin)
+def _norm_and_rope_math(x, weight, eps: float, offset: float, cos, sin):
+    return apply_partial_rope(rms_norm(x, weight, eps, offset), cos, sin)
 
 
-def _norm_rope_and_cast_math(x, weight, eps: float, cos, sin, index_dtype: str):
-    return to_index_dtype(apply_partial_rope(gemma_rms_norm(x, weight, eps), cos, sin), index_dtype)
+def _norm_rope_and_cast_math(x, weight, eps: float, offset: float, cos, sin, index_dtype: str):
+    return to_index_dtype(apply_partial_rope(rms_norm(x, weight, eps, offset), cos, sin), index_dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_partial_rope`` (fused on CUDA): attention's q and k without a norm (``use_qk_norm = false``)."""
+    if fuse(x):
+        return compiled("rope", apply_partial_rope)(x, cos, sin)
+    return apply_partial_rope(x, cos, sin)
 
 
 def _rope_config(config: MiniMaxM3Config):
@@ -174,8 +185,13 @@ def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float,
     return gate * torch.sigmoid(alpha * gate) * (up + beta)
 
 
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The plain SiLU-gated MLP's activation, ``silu(gate) * up`` (``hidden_act = "silu_and_mul"``)."""
+    return nn.functional.silu(gate) * up
+
+
 class MiniMaxM3MLP(nn.Module):
-    """Dense MLP (first layers) and the shared expert: ``down(swiglu_oai(gate(x), up(x)))``."""
+    """Dense MLP (first layers) and the shared expert: ``down(act(gate(x), up(x)))`` (``gated_activation``)."""
 
     def __init__(self, config: MiniMaxM3Config, width: int):
         super().__init__()
@@ -185,10 +201,13 @@ class MiniMaxM3MLP(nn.Module):
         self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(_swiglu(self.config, self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(gated_activation(self.config, self.gate_proj(x), self.up_proj(x)))
 
 
-def _swiglu(config: MiniMaxM3Config, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def gated_activation(config: MiniMaxM3Config, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The config's ``hidden_act`` of an MLP's gate and up projections (fused on CUDA)."""
+    if config.hidden_act == SILU_AND_MUL:
+        return (compiled("silu_and_mul", silu_and_mul) if fuse(gate) else silu_and_mul)(gate, up)
     activation = compiled("swiglu_oai", swiglu_oai) if fuse(gate) else swiglu_oai
     return activation(gate, up, config.swiglu_alpha, config.swiglu_limit, config.swiglu_beta)
 
@@ -222,7 +241,7 @@ class MiniMaxM3Experts(nn.Module):
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
-        return _swiglu(self.config, gate, up)
+        return gated_activation(self.config, gate, up)
 
 
 def route_weights(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
@@ -267,7 +286,7 @@ class MiniMaxM3Attention(nn.Module):
     """Full causal GQA attention (first layers) or MiniMax Sparse Attention (the others).
 
     Sparse layers add the indexer's projections: index q (``index_n_heads`` heads) and one index key head, each
-    with a per-head Gemma RMSNorm and the same partial RoPE as attention; the index keys go to the paged cache,
+    with a per-head RMSNorm and the same partial RoPE as attention; the index keys go to the paged cache,
     the indexer selects ``index_topk_blocks`` pages per (token, KV group), attention reads only those pages.
     """
 
@@ -284,26 +303,32 @@ class MiniMaxM3Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
-        self.q_norm = MiniMaxM3RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = MiniMaxM3RMSNorm(self.head_dim, config.rms_norm_eps)
+        gemma = config.use_gemma_norm
+        if config.use_qk_norm:
+            self.q_norm = MiniMaxM3RMSNorm(self.head_dim, config.rms_norm_eps, gemma)
+            self.k_norm = MiniMaxM3RMSNorm(self.head_dim, config.rms_norm_eps, gemma)
         if self.is_sparse:
             self.index_q_proj = nn.Linear(config.hidden_size, config.index_n_heads * config.index_head_dim, bias=False)
             self.index_k_proj = nn.Linear(config.hidden_size, config.index_head_dim, bias=False)
-            self.index_q_norm = MiniMaxM3RMSNorm(config.index_head_dim, config.rms_norm_eps)
-            self.index_k_norm = MiniMaxM3RMSNorm(config.index_head_dim, config.rms_norm_eps)
+            self.index_q_norm = MiniMaxM3RMSNorm(config.index_head_dim, config.rms_norm_eps, gemma)
+            self.index_k_norm = MiniMaxM3RMSNorm(config.index_head_dim, config.rms_norm_eps, gemma)
 
     def query_key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Attention ``q [T, heads, D]``, ``k`` and ``v [T, kv_heads, D]`` of the packed layer input ``x [T, hidden]``
-        (after ``input_layernorm``): q and k Gemma-normed and rotated, as attention reads them."""
+        (after ``input_layernorm``): q and k normed (``use_qk_norm``) and rotated, as attention reads them."""
         tokens = x.shape[0]
-        q = norm_and_rope(self.q_norm, self.q_proj(x).view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = norm_and_rope(self.k_norm, self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.config.use_qk_norm:
+            q, k = norm_and_rope(self.q_norm, q, cos, sin), norm_and_rope(self.k_norm, k, cos, sin)
+        else:
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         return q, k, v
 
     def index_query_key(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index_dtype: Optional[str] = None):
         """The indexer's ``q [T, index_n_heads, index_head_dim]`` and ``k [T, index_head_dim]`` of a sparse layer, in
-        the model dtype (Gemma norm, partial RoPE): differentiable, for training the indexer. With ``index_dtype``
+        the model dtype (normed, partial RoPE): differentiable, for training the indexer. With ``index_dtype``
         (the forward pass: ``config.index_dtype``) they come cast by ``to_index_dtype``, fused with the norm."""
         if not self.is_sparse:
             raise ValueError(f"layer {self.layer_idx} is a full-attention layer: it has no indexer")
@@ -352,8 +377,8 @@ class MiniMaxM3DecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: MiniMaxM3Config, layer_idx: int):
         super().__init__()
         self.self_attn = MiniMaxM3Attention(config, layer_idx)
-        self.input_layernorm = MiniMaxM3RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = MiniMaxM3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = MiniMaxM3RMSNorm(config.hidden_size, config.rms_norm_eps, config.use_gemma_norm)
+        self.post_attention_layernorm = MiniMaxM3RMSNorm(config.hidden_size, config.rms_norm_eps, config.use_gemma_norm)
         if config.mlp_layer_types[layer_idx] == DENSE_MLP:
             self.mlp = MiniMaxM3MLP(config, config.dense_intermediate_size)
         else:
@@ -413,7 +438,7 @@ class MiniMaxM3PreTrainedModel(PreTrainedModel):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, MiniMaxM3RMSNorm):
-            nn.init.zeros_(module.weight)
+            nn.init.constant_(module.weight, 1.0 - module.offset)
         elif isinstance(module, MiniMaxM3Experts):
             nn.init.normal_(module.gate_up_proj, mean=0.0, std=std)
             nn.init.normal_(module.down_proj, mean=0.0, std=std)
@@ -457,7 +482,7 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(MiniMaxM3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = MiniMaxM3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = MiniMaxM3RMSNorm(config.hidden_size, config.rms_norm_eps, config.use_gemma_norm)
         self.rotary_emb = MiniMaxM3RotaryEmbedding(config)
         self.page_selector = PageSelector(config)
         self._decode_graphs = {}  # batch size -> DecodeGraph

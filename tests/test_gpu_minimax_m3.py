@@ -1,5 +1,7 @@
 """minimax_m3 on a CUDA device (run on the H200)."""
 
+import copy
+
 import pytest
 import torch
 
@@ -78,7 +80,7 @@ def test_two_gpus_give_the_logits_of_one(tmp_path):
 
 
 def test_compiled_norm_and_rope_matches_eager():
-    from minimax_m3.modeling_minimax_m3 import MiniMaxM3RMSNorm, apply_partial_rope, gemma_rms_norm, norm_and_rope
+    from minimax_m3.modeling_minimax_m3 import MiniMaxM3RMSNorm, apply_partial_rope, norm_and_rope, rms_norm
 
     norm = MiniMaxM3RMSNorm(128, 1e-6).cuda()
     with torch.no_grad():
@@ -87,7 +89,7 @@ def test_compiled_norm_and_rope_matches_eager():
         angles = torch.rand(3001, 32, device="cuda") * 100
         cos, sin = angles.cos(), angles.sin()
         fused = norm_and_rope(norm, x, cos, sin)
-        eager = apply_partial_rope(gemma_rms_norm(x, norm.weight, norm.eps), cos, sin)
+        eager = apply_partial_rope(rms_norm(x, norm.weight, norm.eps), cos, sin)
     assert fused.dtype == eager.dtype == torch.bfloat16
     # the same math; the fused reduction may round one bf16 ulp differently
     torch.testing.assert_close(fused, eager, atol=2e-2, rtol=1e-2)
@@ -95,7 +97,8 @@ def test_compiled_norm_and_rope_matches_eager():
 
 def test_compiled_norm_and_swiglu_match_eager():
     """Inference on CUDA runs the model's elementwise chains compiled; each must be the eager function's math."""
-    from minimax_m3.modeling_minimax_m3 import MiniMaxM3RMSNorm, _swiglu, gemma_rms_norm, swiglu_oai
+    from minimax_m3.modeling_minimax_m3 import (MiniMaxM3RMSNorm, apply_partial_rope, gated_activation, rms_norm, rope,
+                                                 swiglu_oai)
 
     config = tiny_model().config
     generator = torch.Generator(device="cuda").manual_seed(3)
@@ -103,11 +106,23 @@ def test_compiled_norm_and_swiglu_match_eager():
     norm = MiniMaxM3RMSNorm(768, 1e-6).cuda()
     with torch.no_grad():
         norm.weight.normal_(std=0.1, generator=generator)
-        torch.testing.assert_close(norm(x), gemma_rms_norm(x, norm.weight, norm.eps), atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(norm(x), rms_norm(x, norm.weight, norm.eps), atol=2e-2, rtol=1e-2)
         gate, up = 4 * x, 4 * x.flip(0)  # reach the clamps
         expected = swiglu_oai(gate, up, config.swiglu_alpha, config.swiglu_limit, config.swiglu_beta)
         # eager rounds every op to bf16, the compiled kernel computes in fp32 and rounds once
-        torch.testing.assert_close(_swiglu(config, gate, up), expected, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(gated_activation(config, gate, up), expected, atol=2e-2, rtol=2e-2)
+        # the converted models' options: the standard norm, the plain SiLU-gated MLP and RoPE without a norm
+        standard = MiniMaxM3RMSNorm(768, 1e-5, gemma=False).cuda()
+        standard.weight.normal_(mean=1.0, std=0.1, generator=generator)
+        torch.testing.assert_close(standard(x), rms_norm(x, standard.weight, 1e-5, 0.0), atol=2e-2, rtol=1e-2)
+        plain = copy.deepcopy(config)
+        plain.hidden_act = "silu_and_mul"
+        torch.testing.assert_close(gated_activation(plain, gate, up), torch.nn.functional.silu(gate) * up,
+                                   atol=2e-2, rtol=2e-2)
+        heads = x.view(4099, 12, 64)
+        angles = torch.rand(4099, 32, device="cuda", generator=generator) * 100
+        torch.testing.assert_close(rope(heads, angles.cos(), angles.sin()),
+                                   apply_partial_rope(heads, angles.cos(), angles.sin()), atol=2e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("experts_implementation", ["grouped_mm", "batched_mm"])

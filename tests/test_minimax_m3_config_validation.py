@@ -152,7 +152,8 @@ def test_the_rotated_share_must_be_a_whole_number_of_dimensions(overrides, text)
 
 @pytest.mark.parametrize("value", ["gelu", "relu", None])
 def test_an_unknown_activation_raises(value):
-    raises_naming(f"hidden_act must be 'swigluoai' (or 'silu', transformers' name for it), got {value!r}",
+    raises_naming(f"hidden_act must be 'swigluoai' (or 'silu', transformers' name for it) or 'silu_and_mul' (a plain "
+                  f"SiLU-gated MLP), got {value!r}",
                   lambda: tiny_config(hidden_act=value))
 
 
