@@ -1,0 +1,86 @@
+"""eval.real_model's indexer distillation on a tiny converted Llama: it lowers the KL, trains only the indexer,
+resumes to the same result, refuses other settings, and exports exactly the indexer."""
+
+import json
+
+import pytest
+import torch
+
+from eval.real_model.distill import (INDEXER_FILE, RECORD_FILE, DistillationPlan, IndexerDistiller, held_out_kl,
+                                     load_indexer)
+from minimax_m3.from_llama import INDEXER_SUFFIXES, convert_llama
+from test_minimax_m3_from_llama import random_llama
+
+CONVERSION = dict(first_sparse_layer=1, index_block_size=4, index_topk_blocks=3)
+
+
+def converted(seed=0):
+    return convert_llama(random_llama(), seed=seed, **CONVERSION)
+
+
+def windows(count, length=40, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 101, (length,), generator=generator) for _ in range(count)]
+
+
+def distiller(tmp_path, model=None, steps=12, **kwargs):
+    plan = DistillationPlan(steps=steps, learning_rate=2e-2, warmup_steps=2, checkpoint_every=4)
+    train = windows(3)
+    return IndexerDistiller(model or converted(), train, train[:2], plan=plan, output=tmp_path, device="cpu", **kwargs)
+
+
+def test_distillation_lowers_the_kl_and_trains_only_the_indexer(tmp_path):
+    run = distiller(tmp_path)
+    before = {name: tensor.clone() for name, tensor in run.model.state_dict().items()}
+    record = run.run()
+    assert record["complete"] and record["steps_done"] == 12
+    assert record["held_out_kl_after"]["mean"] < 0.8 * record["held_out_kl_before"]["mean"]
+    assert set(record["held_out_kl_after"]["per_layer"]) == {1, 2, 3}
+    for name, tensor in run.model.state_dict().items():
+        assert torch.equal(tensor, before[name]) != name.endswith(INDEXER_SUFFIXES), name
+    saved = json.loads((tmp_path / RECORD_FILE).read_text())
+    assert saved["held_out_kl_after"]["mean"] == pytest.approx(record["held_out_kl_after"]["mean"])
+    fresh = converted()
+    load_indexer(fresh, tmp_path / INDEXER_FILE)
+    assert held_out_kl(fresh, windows(3)[:2], "cpu")["mean"] == pytest.approx(record["held_out_kl_after"]["mean"])
+
+
+def test_an_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path):
+    whole = distiller(tmp_path / "whole")
+    whole.run()
+    first = distiller(tmp_path / "parts")
+    partial = first.run(max_seconds=0)  # stops after its first step, with the state saved
+    assert not partial["complete"] and partial["steps_done"] == 1 and not (tmp_path / "parts" / INDEXER_FILE).exists()
+    resumed = distiller(tmp_path / "parts")
+    assert resumed.step == 1
+    resumed.run()
+    for name, tensor in whole.model.state_dict().items():
+        torch.testing.assert_close(resumed.model.state_dict()[name], tensor, atol=1e-6, rtol=1e-5)
+
+
+def test_a_state_of_other_settings_is_refused(tmp_path):
+    distiller(tmp_path).run(max_seconds=0)
+    plan = DistillationPlan(steps=12, learning_rate=1e-3, warmup_steps=2, checkpoint_every=4)
+    with pytest.raises(ValueError, match=r"other settings \(plan.learning_rate\)"):
+        IndexerDistiller(converted(), windows(3), windows(3)[:2], plan=plan, output=tmp_path, device="cpu")
+    with pytest.raises(ValueError, match="holds a run"):
+        distiller(tmp_path, resume=False)
+
+
+def test_an_indexer_file_of_another_model_is_refused_before_copying(tmp_path):
+    distiller(tmp_path, steps=1).run()
+    other = convert_llama(random_llama(), **{**CONVERSION, "first_sparse_layer": 2})
+    before = other.state_dict()["model.layers.2.self_attn.index_q_proj.weight"].clone()
+    with pytest.raises(ValueError, match="is not this model's indexer"):
+        load_indexer(other, tmp_path / INDEXER_FILE)
+    assert torch.equal(other.state_dict()["model.layers.2.self_attn.index_q_proj.weight"], before)
+    with pytest.raises(ValueError, match="do not exist"):
+        load_indexer(other, tmp_path / "none.safetensors")
+
+
+@pytest.mark.parametrize("overrides, text", [(dict(steps=0), "steps must be an int >= 1"),
+                                             (dict(learning_rate=float("nan")), "learning_rate must be a finite"),
+                                             (dict(warmup_steps=-1), "warmup_steps must be an int >= 0")])
+def test_a_bad_plan_raises(overrides, text):
+    with pytest.raises(ValueError, match=text):
+        DistillationPlan(**overrides)
