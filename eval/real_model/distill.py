@@ -197,15 +197,16 @@ class IndexerDistiller:
         logger.info("continuing %s at step %d of %d", self.state_path, self.step, self.plan.steps)
 
     def train_step(self) -> float:
+        """One step on the next training window; its KL, the mean over sparse layers."""
         window = self.train_windows[self.order[self.step % len(self.order)]]
         for group in self.optimizer.param_groups:
             group["lr"] = self.plan.learning_rate_at(self.step)
         self.optimizer.zero_grad(set_to_none=True)
-        loss, _ = indexer_distillation_loss(self.model, window[None].to(self.device))
+        loss, per_layer = indexer_distillation_loss(self.model, window[None].to(self.device))
         loss.backward()
         self.optimizer.step()
         self.step += 1
-        return float(loss.detach())
+        return float(loss.detach()) / len(per_layer)  # the mean over layers, as held_out_kl reports it
 
     def run(self, max_seconds: Optional[float] = None) -> dict:
         """Train up to ``plan.steps`` (or until ``max_seconds`` or a stop signal); the record of the run so far."""
