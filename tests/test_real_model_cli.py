@@ -83,3 +83,47 @@ def test_bad_input_is_one_line_and_writes_nothing(argv, fragment, prepared, caps
     assert status == 2
     assert_one_line(stderr, fragment.format(**prepared))
     assert not prepared["out"].exists() and prepared["file"].read_text() == "kept"
+
+
+def test_the_main_job_evaluates_the_converted_model_when_it_is_prepared(prepared, tmp_path, monkeypatch, capsys):
+    import eval.__main__ as eval_main
+    import eval.real_model.__main__ as real_model_main
+
+    calls = []
+    monkeypatch.setattr(real_model_main, "prepared_for_evaluation",
+                        lambda: (tmp_path / "model", tmp_path / "indexer.safetensors"))
+    monkeypatch.setattr(real_model_main, "run_command", lambda argv: calls.append(argv) or {"complete": True})
+    results = eval_main.run_command(["--device", "cpu", "--skip-throughput", "--output-dir", str(tmp_path / "out")])
+    assert results["accuracy"]["accuracy_model"] == "converted SmolLM2-135M-Instruct"
+    assert calls[0][:5] == ["evaluate", "--device", "cpu", "--indexer", str(tmp_path / "indexer.safetensors")]
+    assert "--lengths" in calls[0] and calls[0][calls[0].index("--lengths") + 1] == "4096"  # the CPU sizing
+    assert "accuracy: the converted SmolLM2-135M-Instruct" in capsys.readouterr().out
+
+
+def test_without_a_prepared_model_the_main_job_says_it_uses_the_tiny_one(prepared, tmp_path, monkeypatch, capsys):
+    import eval.__main__ as eval_main
+    from eval import accuracy
+
+    monkeypatch.setattr(accuracy, "run_command", lambda argv: {"kind": "accuracy"})
+    results = eval_main.run_command(["--device", "cpu", "--skip-throughput", "--output-dir", str(tmp_path / "out")])
+    assert results["accuracy"] == {"kind": "accuracy", "accuracy_model": "trained tiny model"}
+    assert "accuracy: the shipped trained tiny model (the converted SmolLM2 is not prepared" in capsys.readouterr().out
+
+
+def test_prepared_for_evaluation_needs_the_model_and_a_trained_indexer(paths, monkeypatch, tmp_path):  # noqa: F811
+    from eval.real_model.prepare import PROVENANCE_FILE, prepared_model_dir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(real_model_main, "SHIPPED_INDEXER", tmp_path / "shipped" / "indexer.safetensors")
+    assert real_model_main.prepared_for_evaluation() is None
+    directory = prepared_model_dir(64)
+    directory.mkdir(parents=True)
+    (directory / PROVENANCE_FILE).write_text("{}")
+    assert real_model_main.prepared_for_evaluation() is None  # no indexer yet
+    (tmp_path / "shipped").mkdir()
+    (tmp_path / "shipped" / "indexer.safetensors").write_bytes(b"x")
+    assert real_model_main.prepared_for_evaluation() == (directory, tmp_path / "shipped" / "indexer.safetensors")
+    distilled = tmp_path / "runs" / "real-model-indexer-index64" / "indexer.safetensors"
+    distilled.parent.mkdir(parents=True)
+    distilled.write_bytes(b"x")
+    assert real_model_main.prepared_for_evaluation() == (directory, distilled.relative_to(tmp_path))

@@ -27,7 +27,8 @@ from ..devices import checked_device
 from ..report import checked_output_path, write_json
 from ..retrieval_accuracy import positive_ints
 
-__all__ = ["build_parser", "run_command", "main", "load_prepared"]
+__all__ = ["build_parser", "run_command", "main", "load_prepared", "SHIPPED_INDEXER", "prepared_for_evaluation",
+           "default_indexer"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = common(commands.add_parser("evaluate", help="dense vs sparse variants on the held-out books"))
     evaluate.add_argument("--indexer", default=None,
-                          help="the trained indexer (indexer.safetensors; default: the distill default output's)")
+                          help="the trained indexer (indexer.safetensors; default: distill's default output, else the "
+                               "shipped one)")
     evaluate.add_argument("--lengths", type=positive_ints, default=(2048, 4096, 8192))
     evaluate.add_argument("--windows", type=int, default=24, help="perplexity windows per length (24)")
     evaluate.add_argument("--documents", type=int, default=32, help="pass-key and continuation documents per length")
@@ -72,6 +74,28 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--plot", default=None, help="per-position loss plot (PNG) of the longest length")
     evaluate.add_argument("--overwrite", action="store_true", help="replace an existing --output / --plot")
     return parser
+
+
+SHIPPED_INDEXER = Path(__file__).resolve().parent.parent / "models" / "smollm2-135m-indexer64" / "indexer.safetensors"
+"""The trained indexer of the index-head-64 conversion, shipped with the package once it has been distilled."""
+
+
+def default_indexer(index_head_dim: int = 64) -> Path:
+    """The trained indexer ``evaluate`` uses without ``--indexer``: this checkout's own distillation when there is
+    one, else the shipped one (index head 64)."""
+    distilled = _default_distill_output(index_head_dim) / "indexer.safetensors"
+    if distilled.is_file() or index_head_dim != 64:
+        return distilled
+    return SHIPPED_INDEXER
+
+
+def prepared_for_evaluation(index_head_dim: int = 64) -> Optional[tuple]:
+    """``(model directory, trained indexer)`` when the converted model is prepared and a trained indexer exists
+    (what ``python -m eval`` then evaluates), else None."""
+    from .prepare import is_prepared, prepared_model_dir
+
+    directory, indexer = prepared_model_dir(index_head_dim), default_indexer(index_head_dim)
+    return (directory, indexer) if is_prepared(directory) and indexer.is_file() else None
 
 
 def _model_dir(args) -> Path:
@@ -172,7 +196,7 @@ def run_evaluate(args) -> dict:
                                  overwrite=args.overwrite)
     plot = None if args.plot is None else checked_output_path(args.plot, "plot", overwrite=args.overwrite,
                                                               argument="--plot", suffix=".png")
-    indexer = Path(args.indexer) if args.indexer else _default_distill_output(args.index_head_dim) / "indexer.safetensors"
+    indexer = Path(args.indexer) if args.indexer else default_indexer(args.index_head_dim)
     if not indexer.is_file():
         raise UsageError(f"--indexer {indexer} does not exist: run python -m eval.real_model distill first")
     device = checked_device(args.device)
