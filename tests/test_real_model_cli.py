@@ -62,6 +62,19 @@ def test_distill_then_evaluate_write_the_indexer_the_results_and_the_plot(prepar
     assert (tmp_path / "r.png").stat().st_size > 1000 and result["variants"][0] == "dense"
     out = capsys.readouterr().out
     assert "256 tokens (beyond position 32" in out and "untrained-indexer" in out
+    # the same documents through lm-eval, sparse vs dense
+    through_lm_eval = real_model_main.run_command([
+        "evaluate", *common, "--indexer", str(tmp_path / "run" / "indexer.safetensors"), "--lengths", "256",
+        "--windows", "2", "--documents", "2", "--recall-documents", "0", "--variants", "dense,sparse", "--lm-eval",
+        "--output", str(tmp_path / "l.json")])
+    comparison = through_lm_eval["lm_eval"]["comparison"]
+    assert set(comparison) == {"real_model_continuation_256", "real_model_pass_key_prose_256"}
+    assert json.loads((tmp_path / "l.json").read_text())["lm_eval"]["modes"] == ["sparse", "dense"]
+    for kind, task in (("continuation", "real_model_continuation_256"), ("needle", "real_model_pass_key_prose_256")):
+        ours = through_lm_eval["lengths"]["256"][kind]["summary"]
+        assert comparison[task]["acc"]["dense"] == ours["dense"]["accuracy"]  # the same documents, the same scoring
+        assert comparison[task]["acc"]["sparse"] == ours["sparse"]["accuracy"]
+        assert comparison[task]["acc"]["paired"]["samples"] == 2
 
 
 CASES = [

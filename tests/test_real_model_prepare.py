@@ -66,11 +66,13 @@ def tokenizer_and_llama():
     return tokenizer, llama
 
 
-def test_a_converted_model_is_checked_against_llama_then_written_atomically(tmp_path, monkeypatch):
+@pytest.mark.parametrize("index_head_dim", [64, 128])
+def test_a_converted_model_is_checked_against_llama_then_written_atomically(index_head_dim, tmp_path, monkeypatch):
     monkeypatch.setattr(prepare_module, "INDEX_BLOCK_SIZE", 8)
     monkeypatch.setattr(prepare_module, "FIRST_SPARSE_LAYER", 1)
     tokenizer, llama = tokenizer_and_llama()
-    converted, provenance = prepare_module.convert_checked(llama, tokenizer, index_head_dim=64)
+    converted, provenance = prepare_module.convert_checked(llama, tokenizer, index_head_dim=index_head_dim)
+    assert converted.model.layers[1].self_attn.index_k_proj.weight.shape == (index_head_dim, 128)
     assert provenance["dense_logits_max_abs_difference_to_llama"] <= prepare_module.LOGITS_ATOL
     assert provenance["check_tokens"] > 16 and converted.config.indexer_backend == "torch"
     directory = tmp_path / "model"
