@@ -110,6 +110,26 @@ class MiniMaxM3Config(PreTrainedConfig):
 
     model_type = "minimax_m3"
     keys_to_ignore_at_inference = ["past_key_values"]
+    # transformers' tensor parallelism (``from_pretrained(..., tp_plan="auto")`` under torchrun): the attention
+    # projections split by whole heads, so a rank holds whole KV groups and the index heads of those groups (index
+    # head r selects for KV group r); index_k_proj, one key head shared by all index heads, and the norms and router
+    # are replicated; o_proj and the MLPs' down projections reduce across ranks
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.index_q_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+        "layers.*.block_sparse_moe.shared_experts.gate_proj": "colwise",
+        "layers.*.block_sparse_moe.shared_experts.up_proj": "colwise",
+        "layers.*.block_sparse_moe.shared_experts.down_proj": "rowwise",
+        "layers.*.block_sparse_moe.experts.gate_up_proj": "packed_colwise",
+        "layers.*.block_sparse_moe.experts.down_proj": "rowwise",
+        "layers.*.block_sparse_moe.experts": "moe_tp_experts",
+    }
     attribute_map = {"num_experts": "num_local_experts"}
 
     def __init__(

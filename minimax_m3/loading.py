@@ -30,7 +30,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 __all__ = ["check_shards", "read_header", "expected_shapes",
-           "check_quantization_served", "load_model"]
+           "check_quantization_served", "check_tensor_parallel_split", "load_model"]
 
 
 FP8_METHODS = ("fp8", "mxfp8")
@@ -261,3 +261,30 @@ def load_model(path: str, *, config=None, dtype: Optional[torch.dtype] = None, d
 
     return MiniMaxM3ForCausalLM.from_pretrained(path, config=config or MiniMaxM3Config.from_pretrained(path),
                                                 dtype=dtype, device_map=device_map)
+
+
+def check_tensor_parallel_split(config, quantization_config, tp_size: int) -> None:
+    """Each rank must hold whole KV groups (``num_key_value_heads`` a multiple of ``tp_size``). Row-wise splits divide the input columns of o_proj and the MLPs' down projections among ``tp_size`` ranks; a
+    block-quantised checkpoint dequantises each rank's share with its own scales, so every share must hold whole
+    scale blocks (transformers would otherwise dequantise with misaligned scales). Raise naming the field."""
+    if tp_size <= 1:
+        return
+    if config.num_key_value_heads % tp_size:
+        raise ValueError(f"num_key_value_heads = {config.num_key_value_heads} must be a multiple of the {tp_size} "
+                         f"tensor-parallel ranks: each rank holds whole KV groups and their index heads")
+    widths = {"num_attention_heads * head_dim (o_proj)": config.num_attention_heads * config.head_dim,
+              "dense_intermediate_size": config.dense_intermediate_size,
+              "shared_intermediate_size * n_shared_experts": config.shared_intermediate_size * config.n_shared_experts,
+              "intermediate_size": config.intermediate_size}
+    for name, width in widths.items():
+        if width % tp_size:
+            raise ValueError(f"{name} = {width} does not split among {tp_size} tensor-parallel ranks")
+    if quantization_config is None:
+        return
+    values = quantization_config if isinstance(quantization_config, dict) else quantization_config.to_dict()
+    block = (values.get("weight_block_size") or [1, 1])[-1]
+    for name, width in widths.items():
+        if (width // tp_size) % block:
+            raise ValueError(f"{name} = {width} split among {tp_size} tensor-parallel ranks gives {width // tp_size} "
+                             f"columns each, not a multiple of the checkpoint's scale block of {block}: each rank "
+                             f"must dequantise whole blocks")

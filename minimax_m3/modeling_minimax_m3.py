@@ -15,6 +15,7 @@ from typing import Optional, Union
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers.integrations import use_experts_implementation
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -315,15 +316,16 @@ class MiniMaxM3Attention(nn.Module):
 
     def query_key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Attention ``q [T, heads, D]``, ``k`` and ``v [T, kv_heads, D]`` of the packed layer input ``x [T, hidden]``
-        (after ``input_layernorm``): q and k normed (``use_qk_norm``) and rotated, as attention reads them."""
+        (after ``input_layernorm``): q and k normed (``use_qk_norm``) and rotated, as attention reads them. The
+        head counts are the projections' (under tensor parallelism a rank's share of them)."""
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x).view(tokens, -1, self.head_dim)
+        k = self.k_proj(x).view(tokens, -1, self.head_dim)
         if self.config.use_qk_norm:
             q, k = norm_and_rope(self.q_norm, q, cos, sin), norm_and_rope(self.k_norm, k, cos, sin)
         else:
             q, k = rope(q, cos, sin), rope(k, cos, sin)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, -1, self.head_dim)
         return q, k, v
 
     def index_query_key(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index_dtype: Optional[str] = None):
@@ -334,7 +336,7 @@ class MiniMaxM3Attention(nn.Module):
             raise ValueError(f"layer {self.layer_idx} is a full-attention layer: it has no indexer")
         c = self.config
         tokens = x.shape[0]
-        index_q = self.index_q_norm(self.index_q_proj(x).view(tokens, c.index_n_heads, c.index_head_dim), cos, sin,
+        index_q = self.index_q_norm(self.index_q_proj(x).view(tokens, -1, c.index_head_dim), cos, sin,
                                     index_dtype=index_dtype)
         index_k = self.index_k_norm(self.index_k_proj(x).view(tokens, 1, c.index_head_dim), cos, sin,
                                     index_dtype=index_dtype)[:, 0]
@@ -367,7 +369,7 @@ class MiniMaxM3Attention(nn.Module):
                 self.config.sparse_attention_implementation, x.device, self.config.index_block_size
             )
             attended = attend(q, keys, values, selection, metadata, scale=self.scale, page_size=self.config.index_block_size)
-        return self.o_proj(attended.reshape(tokens, self.num_heads * self.head_dim)), selection
+        return self.o_proj(attended.reshape(tokens, -1)), selection
 
 
 class MiniMaxM3DecoderLayer(GradientCheckpointingLayer):
@@ -596,10 +598,12 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         the ``hidden_states`` / ``router_logits`` that transformers' ``capture_outputs`` records from the layers
         (``_can_record_outputs``), packed too; ``forward`` unpacks them all to ``[B, S, ...]``."""
         selections = []
+        mesh = self.tensor_parallel_mesh() if output_page_selections else None
         for layer in self.layers:
             hidden, selection, _ = layer(hidden, cos, sin, cache, metadata, self.page_selector)
             if output_page_selections and selection is not None:
-                selections.append(selection.clone())  # the selector reuses its buffer
+                # the selector reuses its buffer; under tensor parallelism a rank selects for its own KV groups
+                selections.append(selection.clone() if mesh is None else _gathered_groups(selection, mesh))
         return MiniMaxM3ModelOutput(last_hidden_state=self.norm(hidden),
                                     page_selections=tuple(selections) if output_page_selections else None)
 
@@ -619,12 +623,20 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         graph = self._decode_graphs.get(cache.batch_size)
         if obstacle is None and (graph is None or not graph.serves(cache)) and self._has_accelerate_hooks():
             obstacle = "accelerate's hooks (device_map, offload) move weights and activations during the forward"
+        if obstacle is None and self.tensor_parallel_mesh() is not None:
+            obstacle = "tensor parallelism: its collectives run in DTensor's Python hooks, which a graph cannot replay"
         if obstacle is not None:
             if obstacle not in self._reported_obstacles:
                 logger.warning("decode steps run eagerly: %s", obstacle)
                 self._reported_obstacles.add(obstacle)
             return False
         return True
+
+    def tensor_parallel_mesh(self):
+        """The tensor-parallel device mesh the attention projections are sharded over (``from_pretrained(...,
+        tp_plan="auto")``), or None."""
+        weight = self.layers[0].self_attn.k_proj.weight
+        return weight.device_mesh if isinstance(weight, DTensor) else None
 
     def _has_accelerate_hooks(self) -> bool:
         return any(hasattr(module, "_hf_hook") for module in self.modules())
@@ -799,8 +811,29 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         return out
 
 
+def _tensor_parallel_size(from_pretrained_kwargs: dict) -> int:
+    """The number of ranks a ``from_pretrained(tp_plan=...)`` call splits over: its ``tp_size`` (or its
+    ``distributed_config``'s), else the launched world."""
+    distributed = from_pretrained_kwargs.get("distributed_config")
+    size = from_pretrained_kwargs.get("tp_size") or getattr(distributed, "tp_size", None)
+    if size:
+        return int(size)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _gathered_groups(selection: torch.Tensor, mesh) -> torch.Tensor:
+    """``[T, G, topk]`` page ids of every KV group from each tensor-parallel rank's ``[T, G / ranks, topk]``."""
+    group = mesh.get_group() if mesh.ndim == 1 else mesh.get_group("tp")
+    parts = [torch.empty_like(selection) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, selection.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
 class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
 
     def __init__(self, config: MiniMaxM3Config):
         super().__init__(config)
@@ -823,6 +856,8 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
             config = cls.config_class.from_pretrained(config if config is not None else path, **hub)
         quantization = kwargs.get("quantization_config") or getattr(config, "quantization_config", None)
         loading.check_quantization_served(quantization)
+        if kwargs.get("tp_plan") is not None or kwargs.get("distributed_config") is not None:
+            loading.check_tensor_parallel_split(config, quantization, _tensor_parallel_size(kwargs))
         if os.path.isdir(path):
             loading.check_shards(os.path.join(path, kwargs.get("subfolder") or ""))
         wants_info = kwargs.pop("output_loading_info", False)

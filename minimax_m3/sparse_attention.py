@@ -175,15 +175,16 @@ class PageSelector:
         device = index_q.device
         if metadata.step is not None and metadata.step.selector is not self:
             return metadata.step.selector.select(layer_cache_pages, block_table, index_q, metadata)
-        wrapper = self._wrappers.get(device)
+        heads = index_q.shape[1]  # config.index_n_heads, or a tensor-parallel rank's share of them
+        wrapper = self._wrappers.get((device, heads))
         if wrapper is None:
             wrapper = BatchPrefillIndexerQ8KV8Wrapper(
-                self.config.index_n_heads,
+                heads,
                 backend=self.config.indexer_backend,
                 page_size=self.config.index_block_size,
                 topk=self.config.index_topk_blocks,
             )
-            self._wrappers[device] = wrapper
+            self._wrappers[(device, heads)] = wrapper
         if device not in metadata.planned_devices:
             if metadata.step is None:
                 self._plan(wrapper, block_table, metadata, device)
@@ -200,7 +201,7 @@ class PageSelector:
             wrapper.replan()
             return
         pages = step.capacity // self.config.index_block_size
-        rows = step.kv_lengths.shape[0] * self.config.index_n_heads
+        rows = step.kv_lengths.shape[0] * wrapper.num_heads
         pitch = score_row_pitch(pages)
         storage = torch.empty(rows * pitch, dtype=torch.float32, device=device)
         self._score_storage[device] = storage
@@ -213,7 +214,7 @@ class PageSelector:
         max_kv = max(metadata.kv_lengths)
         pages = -(-max_kv // self.config.index_block_size)
         pitch = score_row_pitch(pages)
-        rows = metadata.total_tokens * self.config.index_n_heads
+        rows = metadata.total_tokens * wrapper.num_heads
         storage = self._score_storage.get(device)
         if storage is None or storage.numel() < rows * pitch:
             capacity = max(rows * pitch, 2 * (0 if storage is None else storage.numel()))
