@@ -57,17 +57,17 @@ def selection_mismatches(reference, ids, mask, tp_selections, ref_selections) ->
 def main(checkpoint: str, out: str) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     backend = "nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(backend)
-    rank = dist.get_rank()
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+    rank = dist.get_rank()
     parallel = MiniMaxM3ForCausalLM.from_pretrained(checkpoint, tp_plan="auto", dtype=torch.float32).eval()
     reference = MiniMaxM3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(parallel.device).eval()
     vocab = reference.config.vocab_size
     ids = torch.randint(3, vocab, (2, 41), generator=torch.Generator().manual_seed(1)).to(parallel.device)
     mask = torch.ones_like(ids)
     mask[1, :6] = 0  # left padding
-    result = {"rank": rank, "world": dist.get_world_size(),
+    result = {"rank": rank, "world": dist.get_world_size(), "device": str(parallel.device),
               "local_kv_heads": parallel.model.layers[1].self_attn.k_proj.weight.to_local().shape[0]
               // reference.config.head_dim,
               "kv_heads": reference.config.num_key_value_heads}

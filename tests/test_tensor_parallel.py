@@ -45,11 +45,14 @@ def free_port() -> int:
         return handle.getsockname()[1]
 
 
-def launch(world: int, checkpoint: Path, out: Path) -> list:
+def launch(world: int, checkpoint: Path, out: Path, *, cuda: bool = False) -> list:
+    """Run the worker in ``world`` processes: on the CPU over gloo, or with ``cuda`` one GPU each over NCCL (NVLink
+    multicast off: NVLS needs resources the lent machines do not give)."""
     out.mkdir()
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(world),
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(WORKER), str(checkpoint), str(out)]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    environment.update({"NCCL_NVLS_ENABLE": "0"} if cuda else {"CUDA_VISIBLE_DEVICES": ""})
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment)
     assert completed.returncode == 0, completed.stderr[-4000:]
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
@@ -68,9 +71,7 @@ def release_layout(tmp_path_factory):
                                                 device="cpu")
 
 
-@pytest.mark.parametrize("world, layout", [(2, "ours"), (4, "ours"), (2, "release")])
-def test_tensor_parallel_ranks_compute_the_single_process_model(world, layout, checkpoint, release_layout, tmp_path):
-    results = launch(world, checkpoint if layout == "ours" else release_layout, tmp_path / "out")
+def check(results: list, world: int) -> None:
     for result in results:
         local = result["kv_heads"] // world
         assert result["world"] == world and result["local_kv_heads"] == local  # whole KV groups per rank
@@ -81,6 +82,21 @@ def test_tensor_parallel_ranks_compute_the_single_process_model(world, layout, c
         assert result["selection_shapes_equal"]  # every KV group's pages, gathered from the ranks
         selections = result["selections"]
         assert selections["rows"] > 0 and selections["not_ties"] == 0, selections
+
+
+@pytest.mark.parametrize("world, layout", [(2, "ours"), (4, "ours"), (2, "release")])
+def test_tensor_parallel_ranks_compute_the_single_process_model(world, layout, checkpoint, release_layout, tmp_path):
+    check(launch(world, checkpoint if layout == "ours" else release_layout, tmp_path / "out"), world)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_over_nccl_computes_the_single_gpu_model(world, checkpoint, tmp_path):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    results = launch(world, checkpoint, tmp_path / "out", cuda=True)
+    check(results, world)
+    assert all(result["device"].startswith("cuda") for result in results)
 
 
 def test_a_split_that_cuts_scale_blocks_raises_naming_the_field():
@@ -99,3 +115,36 @@ def test_a_split_that_cuts_scale_blocks_raises_naming_the_field():
     check_tensor_parallel_split(config, None, 4)  # unquantised: any even split
     with pytest.raises(ValueError, match="num_key_value_heads = 4 must be a multiple of the 8 tensor-parallel ranks"):
         check_tensor_parallel_split(config, None, 8)
+
+
+def test_the_throughput_command_times_each_layout_and_refuses_a_layout_outside_its_launcher(tmp_path, monkeypatch,
+                                                                                              capsys):
+    from eval import tensor_parallel
+
+    monkeypatch.delenv("RANK", raising=False)
+    checkpoint = tmp_path / "model"
+    common = ["--preset", "tiny", "--checkpoint", str(checkpoint), "--lengths", "64", "--repeats", "1"]
+    single = tensor_parallel.run_command(["--layout", "single", *common, "--output", str(tmp_path / "single.json")])
+    assert single["rows"][0]["length"] == 64 and single["rows"][0]["tokens_per_second"] > 0
+    assert (checkpoint / "config.json").is_file() and single["gpus"] == 1
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port()), "-m", "eval.tensor_parallel", "--layout", "tp", *common,
+               "--output", str(tmp_path / "tp.json")]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                               env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    parallel = json.loads((tmp_path / "tp.json").read_text())
+    assert parallel["processes"] == 2 and parallel["layout"] == "tp" and len(parallel["rows"][0]["seconds"]) == 1
+    with pytest.raises(SystemExit):
+        tensor_parallel.main(["--layout", "tp", *common, "--output", str(tmp_path / "x.json")])
+    assert "runs under torch.distributed.run" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+
+
+def test_device_map_layout_splits_layers_in_contiguous_blocks():
+    from eval.tensor_parallel import layer_device_map
+
+    mapping = layer_device_map(tiny_config(num_hidden_layers=4, moe_layer_freq=[0, 1, 1, 1],
+                                           sparse_attention_config={**SPARSE_CONFIG,
+                                                                    "sparse_attention_freq": [0, 1, 1, 1]}), 2)
+    assert [mapping[f"model.layers.{i}"] for i in range(4)] == [0, 0, 1, 1]
+    assert mapping["model.embed_tokens"] == 0 and mapping["lm_head"] == 1
