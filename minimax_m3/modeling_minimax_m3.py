@@ -881,12 +881,26 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
         target = self.config.dtype
         if not isinstance(target, torch.dtype):
             return
-        cast = []
-        for name, parameter in self.named_parameters():
-            keep_fp32 = any(module in name for module in self._keep_in_fp32_modules)
-            if parameter.dtype.is_floating_point and parameter.dtype != target and not keep_fp32:
-                parameter.data = parameter.data.to(target)
-                cast.append(name)
+        cast, replaced = [], {}
+        for module_name, module in self.named_modules():
+            for name, parameter in list(module._parameters.items()):
+                full_name = f"{module_name}.{name}" if module_name else name
+                keep_fp32 = any(kept in full_name for kept in self._keep_in_fp32_modules)
+                if parameter is None or not parameter.dtype.is_floating_point or parameter.dtype == target or keep_fp32:
+                    continue
+                if isinstance(parameter, DTensor):
+                    # a tensor-parallel shard: its local tensor is what the forward reads, so the DTensor is rebuilt
+                    # (once per tensor: tied weights stay tied)
+                    if id(parameter) not in replaced:
+                        local = parameter.to_local().to(target)
+                        replaced[id(parameter)] = nn.Parameter(
+                            DTensor.from_local(local, parameter.device_mesh, parameter.placements, run_check=False,
+                                               shape=parameter.shape, stride=parameter.stride()),
+                            requires_grad=parameter.requires_grad)
+                    module._parameters[name] = replaced[id(parameter)]
+                else:
+                    parameter.data = parameter.data.to(target)
+                cast.append(full_name)
         if cast:
             logger.info("cast %d unquantised tensors of the FP8 checkpoint to %s, e.g. %s", len(cast), target, cast[:3])
 

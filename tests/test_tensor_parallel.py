@@ -65,7 +65,8 @@ def release_layout(tmp_path_factory):
     from test_synthetic_checkpoint import TINY
 
     # row-wise splits cut the MXFP8 scale blocks of 32 input columns: each rank's share must hold whole blocks
-    config = synthetic.released_slice_config(1, 2, **{**TINY, "intermediate_size": 64, "shared_intermediate_size": 64,
+    config = synthetic.released_slice_config(1, 2, **{**TINY, "vocab_size": 128, "intermediate_size": 64,
+                                                      "shared_intermediate_size": 64,
                                                       "dense_intermediate_size": 128})
     return synthetic.write_synthetic_checkpoint(tmp_path_factory.mktemp("tp-release") / "slice", config, seed=3,
                                                 device="cpu")
@@ -108,7 +109,7 @@ def test_a_split_that_cuts_scale_blocks_raises_naming_the_field():
                                             shared_intermediate_size=64), mxfp8, 2)
     with pytest.raises(ValueError, match="dense_intermediate_size = 96 split among 2 tensor-parallel ranks gives 48"):
         check_tensor_parallel_split(config, mxfp8, 2)
-    with pytest.raises(ValueError, match="shared_intermediate_size \* n_shared_experts = 48 does not split among 5"):
+    with pytest.raises(ValueError, match=r"shared_intermediate_size \* n_shared_experts = 48 does not split among 5"):
         check_tensor_parallel_split(tiny_config(num_attention_heads=5, num_key_value_heads=5,
                                                 sparse_attention_config={**SPARSE_CONFIG, "sparse_num_index_heads": 5},
                                                 dense_intermediate_size=100), None, 5)
