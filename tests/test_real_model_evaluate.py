@@ -85,6 +85,9 @@ def test_the_evaluation_reports_every_part_and_sparse_equals_dense_within_the_to
         beyond = buckets[name]["beyond"]["loss_difference_to_dense"]
         assert beyond["units"] == 4 and beyond["low"] <= beyond["mean"] <= beyond["high"]
     assert buckets["untrained-indexer"]["12-24"]["max_abs_difference_to_dense"] > 0
+    versus = buckets["sliding-window"]["beyond"]["loss_difference_to_sparse"]
+    assert versus["low"] <= versus["mean"] <= versus["high"] and "worse_than_sparse" in buckets["sliding-window"]["beyond"]
+    assert "loss_difference_to_sparse" not in buckets["sparse"]["beyond"]
     recall = part["perplexity"]["recall"]["sparse"]
     assert [row["layer"] for row in recall] == [1, 2, 3] and all(0 < row["recall"] <= 1 + 1e-6 for row in recall)
     for kind in ("needle", "continuation"):

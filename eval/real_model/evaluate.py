@@ -67,7 +67,8 @@ def position_losses(model, windows: torch.Tensor) -> torch.Tensor:
 def perplexity_by_position(losses: Dict[str, torch.Tensor], *, bucket: int = BUCKET, seed: int = SEED) -> dict:
     """Per variant and bucket of predicted positions ``[b * bucket, (b + 1) * bucket)``: mean loss and perplexity;
     beyond the first bucket also the mean loss difference to ``dense`` with its bootstrap interval over windows, the
-    perplexity ratio and whether the interval excludes 0."""
+    perplexity ratio and whether the interval excludes 0; and for the other variants (``beyond`` only) the difference
+    to ``sparse`` (the trained indexer) with ``worse_than_sparse`` when its whole interval lies above 0."""
     dense = losses["dense"]
     positions = torch.arange(1, dense.shape[1] + 1)  # the position of the predicted token
     table = {}
@@ -95,6 +96,11 @@ def perplexity_by_position(losses: Dict[str, torch.Tensor], *, bucket: int = BUC
             rows["beyond"] = {"loss_difference_to_dense": interval,
                               "perplexity_ratio_to_dense": float(torch.exp(torch.tensor(interval["mean"]))),
                               "difference_excludes_zero": interval["low"] > 0 or interval["high"] < 0}
+            if "sparse" in losses and name != "sparse":  # the baselines against the trained indexer
+                per_window = (values[:, beyond] - losses["sparse"][:, beyond]).mean(1).double().tolist()
+                versus_sparse = bootstrap_mean_interval(per_window, seed=seed)
+                rows["beyond"]["loss_difference_to_sparse"] = versus_sparse
+                rows["beyond"]["worse_than_sparse"] = versus_sparse["low"] > 0
         table[name] = rows
     return table
 

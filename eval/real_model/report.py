@@ -32,6 +32,9 @@ def summary_table(result: dict) -> str:
                     cells.append(f"ppl {first['perplexity']:.2f} below {bucket}")
                 elif "beyond" in rows:
                     cells.append(_interval(rows["beyond"]))
+                    versus = rows["beyond"].get("loss_difference_to_sparse")
+                    if versus is not None:
+                        cells.append(f"vs sparse {versus['mean']:+.4f} [{versus['low']:+.4f}, {versus['high']:+.4f}]")
             for kind in ("needle", "continuation"):
                 if kind in part:
                     summary = part[kind]["summary"][name]
