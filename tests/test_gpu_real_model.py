@@ -1,0 +1,45 @@
+"""A Llama converted to MiniMax-M3 on a CUDA device (run on the H200): the converted SmolLM2's geometry (3 KV groups and
+index heads of 64, pages of 128, top-16), whose indexer runs the torch backend, gives the CPU's logits and pages, and
+its distillation step runs there."""
+
+import pytest
+import torch
+
+from eval.real_model.distill import DistillationPlan, IndexerDistiller
+from minimax_m3.from_llama import convert_llama
+from test_minimax_m3_from_llama import random_llama
+
+pytestmark = pytest.mark.gpu
+
+SMOLLM2_ATTENTION = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                         intermediate_size=256, vocab_size=301, max_position_embeddings=8192)
+
+
+@pytest.fixture(scope="module")
+def converted():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU on this machine")
+    return convert_llama(random_llama(**SMOLLM2_ATTENTION), first_sparse_layer=1, index_head_dim=64,
+                         index_block_size=128, index_topk_blocks=16, index_dtype="float32")
+
+
+def test_the_converted_geometry_on_cuda_gives_the_cpu_logits_and_pages(converted):
+    ids = torch.randint(3, 301, (1, 2600), generator=torch.Generator().manual_seed(0))  # 21 pages: some dropped
+    with torch.no_grad():
+        expected = converted(ids, output_page_selections=True)
+        model = converted.cuda()
+        got = model(ids.cuda(), output_page_selections=True)
+        assert model.model.page_selector.indexer_backends() == {"torch"}
+        converted.cpu()
+    torch.testing.assert_close(got.logits.cpu(), expected.logits, atol=1e-4, rtol=1e-4)
+    for a, b in zip(got.page_selections, expected.page_selections):
+        assert torch.equal(a.cpu().sort(-1).values, b.sort(-1).values)
+
+
+def test_a_distillation_step_at_4k_runs_on_cuda_and_lowers_the_kl(converted, tmp_path):
+    model = convert_llama(random_llama(**SMOLLM2_ATTENTION), first_sparse_layer=1, index_head_dim=64).cuda()
+    windows = [torch.randint(3, 301, (4096,), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    plan = DistillationPlan(steps=8, learning_rate=2e-2, warmup_steps=1, checkpoint_every=4)
+    record = IndexerDistiller(model, windows, windows[:1], plan=plan, output=tmp_path, device="cuda").run()
+    assert record["complete"]
+    assert record["held_out_kl_after"]["mean"] < record["held_out_kl_before"]["mean"]
