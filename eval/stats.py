@@ -7,8 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
 __all__ = ["PairedOutcome", "mcnemar_exact_p_value", "paired_outcome", "spread", "NOISY_MAX_OVER_MIN", "max_over_min",
-           "is_noisy",
-           "bootstrap_mean_interval"]
+           "is_noisy", "bootstrap_mean_interval"]
 
 NOISY_MAX_OVER_MIN = 1.5
 """A timing whose slowest run takes more than this many times its fastest: its median is not to be trusted."""

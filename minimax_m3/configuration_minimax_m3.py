@@ -21,7 +21,8 @@ from typing import Any, Optional
 
 from transformers import PreTrainedConfig
 
-__all__ = ["MiniMaxM3Config", "ROPE_TYPES", "SILU_AND_MUL", "SWIGLU_OAI_ACTS", "FULL_ATTENTION", "SPARSE_ATTENTION", "DENSE_MLP", "MOE_MLP"]
+__all__ = ["MiniMaxM3Config", "ROPE_TYPES", "SILU_AND_MUL", "SWIGLU_OAI_ACTS", "FULL_ATTENTION", "SPARSE_ATTENTION",
+           "DENSE_MLP", "MOE_MLP"]
 
 logger = logging.getLogger(__name__)
 

@@ -76,7 +76,6 @@ def minimax_m3_config_from_llama(llama_config, *, first_sparse_layer: int = 3, i
         use_qk_norm=False,
         rms_norm_eps=llama_config.rms_norm_eps,
         max_position_embeddings=llama_config.max_position_embeddings,
-        rope_theta=theta,
         rope_parameters={"rope_type": "default", **rope, "rope_theta": theta},
         partial_rotary_factor=1.0,
         tie_word_embeddings=bool(llama_config.tie_word_embeddings),

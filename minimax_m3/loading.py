@@ -264,18 +264,23 @@ def load_model(path: str, *, config=None, dtype: Optional[torch.dtype] = None, d
 
 
 def check_tensor_parallel_split(config, quantization_config, tp_size: int) -> None:
-    """Each rank must hold whole KV groups (``num_key_value_heads`` a multiple of ``tp_size``). Row-wise splits divide the input columns of o_proj and the MLPs' down projections among ``tp_size`` ranks; a
-    block-quantised checkpoint dequantises each rank's share with its own scales, so every share must hold whole
-    scale blocks (transformers would otherwise dequantise with misaligned scales). Raise naming the field."""
+    """Raise, naming the field, for a tensor-parallel split of ``tp_size`` ranks that cannot work: each rank must
+    hold whole KV groups, and the row-wise splits (the input columns of o_proj and of the down projections of the
+    MLPs the layers have) must be even; a block-quantised checkpoint dequantises each rank's share with its own
+    scales, so every share must also hold whole scale blocks (transformers would dequantise misaligned ones)."""
     if tp_size <= 1:
         return
     if config.num_key_value_heads % tp_size:
         raise ValueError(f"num_key_value_heads = {config.num_key_value_heads} must be a multiple of the {tp_size} "
                          f"tensor-parallel ranks: each rank holds whole KV groups and their index heads")
-    widths = {"num_attention_heads * head_dim (o_proj)": config.num_attention_heads * config.head_dim,
-              "dense_intermediate_size": config.dense_intermediate_size,
-              "shared_intermediate_size * n_shared_experts": config.shared_intermediate_size * config.n_shared_experts,
-              "intermediate_size": config.intermediate_size}
+    widths = {"num_attention_heads * head_dim (o_proj)": config.num_attention_heads * config.head_dim}
+    from .configuration_minimax_m3 import DENSE_MLP, MOE_MLP
+
+    if DENSE_MLP in config.mlp_layer_types:
+        widths["dense_intermediate_size"] = config.dense_intermediate_size
+    if MOE_MLP in config.mlp_layer_types:
+        widths["intermediate_size"] = config.intermediate_size
+        widths["shared_intermediate_size * n_shared_experts"] = config.shared_intermediate_size * config.n_shared_experts
     for name, width in widths.items():
         if width % tp_size:
             raise ValueError(f"{name} = {width} does not split among {tp_size} tensor-parallel ranks")

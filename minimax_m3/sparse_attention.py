@@ -175,16 +175,15 @@ class PageSelector:
         device = index_q.device
         if metadata.step is not None and metadata.step.selector is not self:
             return metadata.step.selector.select(layer_cache_pages, block_table, index_q, metadata)
-        heads = index_q.shape[1]  # config.index_n_heads, or a tensor-parallel rank's share of them
-        wrapper = self._wrappers.get((device, heads))
+        wrapper = self._wrappers.get(device)
         if wrapper is None:
             wrapper = BatchPrefillIndexerQ8KV8Wrapper(
-                heads,
+                index_q.shape[1],  # config.index_n_heads, or a tensor-parallel rank's share of them
                 backend=self.config.indexer_backend,
                 page_size=self.config.index_block_size,
                 topk=self.config.index_topk_blocks,
             )
-            self._wrappers[(device, heads)] = wrapper
+            self._wrappers[device] = wrapper
         if device not in metadata.planned_devices:
             if metadata.step is None:
                 self._plan(wrapper, block_table, metadata, device)

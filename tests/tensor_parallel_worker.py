@@ -93,7 +93,7 @@ def main(checkpoint: str, out: str) -> None:
                                       output_logits=True, return_dict_in_generate=True)
         expected_generation = reference.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
                                                  output_logits=True, return_dict_in_generate=True)
-        result["indexer_heads"] = sorted(heads for _, heads in parallel.model.page_selector._wrappers)
+        result["indexer_heads"] = sorted(wrapper.num_heads for wrapper in parallel.model.page_selector._wrappers.values())
         result["decode_tokens_equal"] = bool(torch.equal(generated.sequences, expected_generation.sequences))
         result["decode_max_abs_difference"] = max(float((a - b).abs().max()) for a, b in
                                                   zip(generated.logits, expected_generation.logits))

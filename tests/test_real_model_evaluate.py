@@ -82,12 +82,13 @@ def test_the_evaluation_reports_every_part_and_sparse_equals_dense_within_the_to
     assert set(buckets) == set(evaluate.VARIANTS)
     for name in ("sparse", "sparse-bf16-index", "untrained-indexer", "sliding-window"):
         assert buckets[name]["0-12"]["max_abs_difference_to_dense"] < 1e-4  # every page is read there
-        beyond = buckets[name]["beyond"]["loss_difference_to_dense"]
+        beyond = buckets[name]["beyond"]["versus_dense"]["difference"]
         assert beyond["units"] == 4 and beyond["low"] <= beyond["mean"] <= beyond["high"]
     assert buckets["untrained-indexer"]["12-24"]["max_abs_difference_to_dense"] > 0
-    versus = buckets["sliding-window"]["beyond"]["loss_difference_to_sparse"]
-    assert versus["low"] <= versus["mean"] <= versus["high"] and "worse_than_sparse" in buckets["sliding-window"]["beyond"]
-    assert "loss_difference_to_sparse" not in buckets["sparse"]["beyond"]
+    versus = buckets["sliding-window"]["beyond"]["versus_sparse"]
+    assert versus["difference"]["low"] <= versus["difference"]["mean"] <= versus["difference"]["high"]
+    assert versus["perplexity_ratio"] > 0 and isinstance(versus["excludes_zero"], bool)
+    assert "versus_sparse" not in buckets["sparse"]["beyond"]
     recall = part["perplexity"]["recall"]["sparse"]
     assert [row["layer"] for row in recall] == [1, 2, 3] and all(0 < row["recall"] <= 1 + 1e-6 for row in recall)
     for kind in ("needle", "continuation"):

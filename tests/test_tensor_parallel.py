@@ -109,11 +109,14 @@ def test_a_split_that_cuts_scale_blocks_raises_naming_the_field():
                                             shared_intermediate_size=64), mxfp8, 2)
     with pytest.raises(ValueError, match="dense_intermediate_size = 96 split among 2 tensor-parallel ranks gives 48"):
         check_tensor_parallel_split(config, mxfp8, 2)
-    with pytest.raises(ValueError, match=r"shared_intermediate_size \* n_shared_experts = 48 does not split among 5"):
+    with pytest.raises(ValueError, match="^intermediate_size = 48 does not split among 5"):
         check_tensor_parallel_split(tiny_config(num_attention_heads=5, num_key_value_heads=5,
                                                 sparse_attention_config={**SPARSE_CONFIG, "sparse_num_index_heads": 5},
                                                 dense_intermediate_size=100), None, 5)
     check_tensor_parallel_split(config, None, 4)  # unquantised: any even split
+    # the MoE widths count only where the model has MoE layers
+    dense_only = tiny_config(intermediate_size=50, moe_layer_freq=[0, 0, 0])
+    check_tensor_parallel_split(dense_only, None, 2)
     with pytest.raises(ValueError, match="num_key_value_heads = 4 must be a multiple of the 8 tensor-parallel ranks"):
         check_tensor_parallel_split(config, None, 8)
 

@@ -10,10 +10,8 @@ step and after the last. ``export`` writes only the indexer's tensors (a few MB)
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import signal
 import time
 from dataclasses import asdict, dataclass
@@ -23,6 +21,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ..indexer_distillation import indexer_distillation_loss, indexer_parameter_names
+from ..report import atomic_write, write_json
 
 __all__ = ["DistillationPlan", "IndexerDistiller", "held_out_kl", "save_indexer", "load_indexer", "INDEXER_FILE",
            "RECORD_FILE"]
@@ -76,20 +75,13 @@ def _indexer_tensors(model) -> Dict[str, torch.Tensor]:
 
 
 def save_indexer(model, directory: Path, record: dict) -> Path:
-    """The indexer's tensors as ``directory / INDEXER_FILE`` and ``record`` as ``RECORD_FILE``, each written to a
-    temporary file first and renamed into place."""
+    """The indexer's tensors as ``directory / INDEXER_FILE`` and ``record`` as ``RECORD_FILE``, each written
+    atomically (``eval.report``)."""
     from safetensors.torch import save_file
 
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    target = directory / INDEXER_FILE
-    staging = target.with_name(f".{target.name}.tmp")
-    save_file({name: tensor.contiguous().cpu() for name, tensor in _indexer_tensors(model).items()}, str(staging))
-    os.replace(staging, target)
-    record_path = directory / RECORD_FILE
-    staging = record_path.with_name(f".{record_path.name}.tmp")
-    staging.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(staging, record_path)
+    tensors = {name: tensor.contiguous().cpu() for name, tensor in _indexer_tensors(model).items()}
+    target = atomic_write(Path(directory) / INDEXER_FILE, lambda temporary: save_file(tensors, str(temporary)))
+    write_json(Path(directory) / RECORD_FILE, record)
     return target
 
 
@@ -176,9 +168,7 @@ class IndexerDistiller:
         state = {"settings": self._settings(), "step": self.step, "history": self.history,
                  "kl_before": self.kl_before, "indexer": {k: v.cpu() for k, v in _indexer_tensors(self.model).items()},
                  "optimizer": self.optimizer.state_dict()}
-        staging = self.state_path.with_name(f".{STATE_FILE}.tmp")
-        torch.save(state, staging)
-        os.replace(staging, self.state_path)
+        atomic_write(self.state_path, lambda temporary: torch.save(state, temporary))
 
     def _load_state(self) -> None:
         state = torch.load(self.state_path, map_location="cpu", weights_only=False)

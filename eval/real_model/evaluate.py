@@ -64,13 +64,22 @@ def position_losses(model, windows: torch.Tensor) -> torch.Tensor:
     return torch.stack(losses)
 
 
+def _difference(values: torch.Tensor, reference: torch.Tensor, picked: torch.Tensor, seed: int) -> dict:
+    """The mean per-token loss difference ``values - reference`` over the ``picked`` positions with its bootstrap
+    interval over windows, the perplexity ratio, and whether the interval excludes 0."""
+    interval = bootstrap_mean_interval((values[:, picked] - reference[:, picked]).mean(1).double().tolist(), seed=seed)
+    return {"difference": interval, "perplexity_ratio": float(torch.exp(torch.tensor(interval["mean"]))),
+            "excludes_zero": interval["low"] > 0 or interval["high"] < 0}
+
+
 def perplexity_by_position(losses: Dict[str, torch.Tensor], *, bucket: int = BUCKET, seed: int = SEED) -> dict:
-    """Per variant and bucket of predicted positions ``[b * bucket, (b + 1) * bucket)``: mean loss and perplexity;
-    beyond the first bucket also the mean loss difference to ``dense`` with its bootstrap interval over windows, the
-    perplexity ratio and whether the interval excludes 0; and for the other variants (``beyond`` only) the difference
-    to ``sparse`` (the trained indexer) with ``worse_than_sparse`` when its whole interval lies above 0."""
+    """Per variant and bucket of predicted positions ``[b * bucket, (b + 1) * bucket)``: mean loss and perplexity,
+    and for the variants other than ``dense`` the largest difference to it and (with 2 windows or more) the mean
+    difference to it (``versus_dense``: ``_difference``). ``beyond`` holds the same over every position from
+    ``bucket`` on, and for the variants other than ``sparse`` (the trained indexer) also ``versus_sparse``."""
     dense = losses["dense"]
     positions = torch.arange(1, dense.shape[1] + 1)  # the position of the predicted token
+    several = dense.shape[0] >= 2
     table = {}
     for name, values in losses.items():
         rows = {}
@@ -79,28 +88,18 @@ def perplexity_by_position(losses: Dict[str, torch.Tensor], *, bucket: int = BUC
             if not picked.any():
                 continue
             mean = float(values[:, picked].mean())
-            row = {"tokens": int(picked.sum()) * values.shape[0], "loss": mean, "perplexity": float(torch.exp(torch.tensor(mean)))}
+            row = {"tokens": int(picked.sum()) * values.shape[0], "loss": mean,
+                   "perplexity": float(torch.exp(torch.tensor(mean)))}
             if name != "dense":
-                per_window = (values[:, picked] - dense[:, picked]).mean(1).double().tolist()
                 row["max_abs_difference_to_dense"] = float((values[:, picked] - dense[:, picked]).abs().max())
-                if len(per_window) >= 2:
-                    interval = bootstrap_mean_interval(per_window, seed=seed)
-                    row["loss_difference_to_dense"] = interval
-                    row["perplexity_ratio_to_dense"] = float(torch.exp(torch.tensor(interval["mean"])))
-                    row["difference_excludes_zero"] = interval["low"] > 0 or interval["high"] < 0
+                if several:
+                    row["versus_dense"] = _difference(values, dense, picked, seed)
             rows[f"{start}-{start + bucket}"] = row
         beyond = positions >= bucket
-        if name != "dense" and beyond.any() and values.shape[0] >= 2:
-            per_window = (values[:, beyond] - dense[:, beyond]).mean(1).double().tolist()
-            interval = bootstrap_mean_interval(per_window, seed=seed)
-            rows["beyond"] = {"loss_difference_to_dense": interval,
-                              "perplexity_ratio_to_dense": float(torch.exp(torch.tensor(interval["mean"]))),
-                              "difference_excludes_zero": interval["low"] > 0 or interval["high"] < 0}
+        if name != "dense" and beyond.any() and several:
+            rows["beyond"] = {"versus_dense": _difference(values, dense, beyond, seed)}
             if "sparse" in losses and name != "sparse":  # the baselines against the trained indexer
-                per_window = (values[:, beyond] - losses["sparse"][:, beyond]).mean(1).double().tolist()
-                versus_sparse = bootstrap_mean_interval(per_window, seed=seed)
-                rows["beyond"]["loss_difference_to_sparse"] = versus_sparse
-                rows["beyond"]["worse_than_sparse"] = versus_sparse["low"] > 0
+                rows["beyond"]["versus_sparse"] = _difference(values, losses["sparse"], beyond, seed)
         table[name] = rows
     return table
 

@@ -8,10 +8,10 @@ from typing import List
 __all__ = ["summary_table", "plot_position_loss"]
 
 
-def _interval(row: dict) -> str:
-    difference = row["loss_difference_to_dense"]
+def _interval(comparison: dict) -> str:
+    difference = comparison["difference"]
     return (f"{difference['mean']:+.4f} [{difference['low']:+.4f}, {difference['high']:+.4f}]  "
-            f"ppl x{row['perplexity_ratio_to_dense']:.4f}")
+            f"ppl x{comparison['perplexity_ratio']:.4f}")
 
 
 def summary_table(result: dict) -> str:
@@ -31,10 +31,9 @@ def summary_table(result: dict) -> str:
                 if name == "dense":
                     cells.append(f"ppl {first['perplexity']:.2f} below {bucket}")
                 elif "beyond" in rows:
-                    cells.append(_interval(rows["beyond"]))
-                    versus = rows["beyond"].get("loss_difference_to_sparse")
-                    if versus is not None:
-                        cells.append(f"vs sparse {versus['mean']:+.4f} [{versus['low']:+.4f}, {versus['high']:+.4f}]")
+                    cells.append(_interval(rows["beyond"]["versus_dense"]))
+                    if "versus_sparse" in rows["beyond"]:
+                        cells.append(f"vs sparse {_interval(rows['beyond']['versus_sparse'])}")
             for kind in ("needle", "continuation"):
                 if kind in part:
                     summary = part[kind]["summary"][name]
