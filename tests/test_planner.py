@@ -382,3 +382,42 @@ def test_the_plan_kernel_serves_decode_steps_and_short_chunks_not_long_prefills(
     assert plan_kernel_serves(shape(1, 2048, 131072))
     assert not plan_kernel_serves(shape(1, 131072, 131072))  # 524,288 score rows: the torch ops
     assert not plan_kernel_serves(shape(2000, 1, 8192))  # more requests than its tables hold
+
+
+def _brute_force_page_chunk(requests, page_size, tile_tokens, num_heads, num_sms):
+    """The chunk model spelled out task by task: every tile's tasks, heaviest first, dealt to CTAs in the snake
+    order (odd full waves reversed), the largest CTA sum minimised, ties to the larger chunk."""
+    from indexer.planner import _BALANCED_CANDIDATES, _BALANCED_MODEL_MAX_TASKS, task_cost
+
+    histories = [(kv - q + start + min(tile_tokens, q - start) - 1) // page_size
+                 for q, kv in requests for start in range(0, q, tile_tokens)]
+    best = None
+    for chunk in _BALANCED_CANDIDATES:
+        pages = [min(chunk, h - begin) for h in histories for begin in range(0, h, chunk)]
+        if len(pages) > _BALANCED_MODEL_MAX_TASKS:
+            continue
+        work = sorted((task_cost(tile_tokens * num_heads, p) for p in pages), reverse=True)
+        per_cta = [0] * num_sms
+        for rank, cost in enumerate(work):
+            wave, lane = divmod(rank, num_sms)
+            if wave % 2 == 1 and (wave + 1) * num_sms <= len(work):
+                lane = num_sms - 1 - lane
+            per_cta[lane] += cost
+        if best is None or max(per_cta) <= best[0]:
+            best = (max(per_cta), chunk)
+    return best[1]
+
+
+def test_balanced_page_chunk_equals_the_task_by_task_model():
+    import random
+
+    from indexer import planner
+
+    rng = random.Random(7)
+    for _ in range(60):
+        requests = []
+        for _ in range(rng.choice([1, 2, 5])):
+            kv = rng.randint(129, 40_000)
+            requests.append((rng.randint(1, min(kv, rng.choice([1, 16, 700, 3000]))), -(-kv // 128) * 128))
+        arguments = (tuple(requests), 128, rng.choice([64, 256]), rng.choice([1, 4]), rng.choice([132, 7]))
+        assert planner.balanced_page_chunk.__wrapped__(*arguments) == _brute_force_page_chunk(*arguments), arguments
