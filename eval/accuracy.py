@@ -24,7 +24,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -210,10 +210,12 @@ def evaluate_accuracy(model, tokenizer, *, tasks: Sequence[str], modes: Sequence
                       limit: Optional[float] = None, batch_size: int = 8, max_length: Optional[int] = None,
                       num_fewshot: Optional[int] = None, bootstrap_iters: int = 0, agreement_length: Optional[int] = None,
                       agreement_sequences: int = 4, agreement_positions: int = 256, seed: int = 0,
-                      session: Optional[TaskSession] = None) -> dict:
+                      session: Optional[TaskSession] = None, on_progress: Optional[Callable[[dict], None]] = None) -> dict:
     """Everything ``python -m eval.accuracy`` reports, as a JSON-ready dict. ``agreement_length=0`` skips the
     logit agreement; ``None`` uses ``default_agreement_length``. ``session``: a ``TaskSession(tasks)`` made
-    earlier (the command makes it before loading the model)."""
+    earlier (the command makes it before loading the model). ``on_progress`` gets the results so far
+    (``"partial": True``) as each part completes: each mode's lm-eval run (its metrics under ``metrics_by_mode``),
+    then the comparison, so an interrupted run keeps them."""
     from .logit_agreement import agreement_sequences as make_sequences
     from .logit_agreement import default_agreement_length, logit_agreement
     from .modes import MODE_SETTINGS, attention_mode
@@ -223,6 +225,13 @@ def evaluate_accuracy(model, tokenizer, *, tasks: Sequence[str], modes: Sequence
     started = time.perf_counter()
     per_mode, seconds = {}, {}
     session = session or TaskSession(tasks)
+    header = {"kind": "accuracy", "modes": list(modes), "tasks": list(tasks), "limit": limit,
+              "num_fewshot": num_fewshot}
+
+    def report_progress(parts: dict) -> None:
+        if on_progress is not None:
+            on_progress({**header, "partial": True, **parts, "seconds": time.perf_counter() - started})
+
     for mode in modes:
         logger.info("lm-eval in %s mode on %s", mode, ", ".join(tasks))
         begin = time.perf_counter()
@@ -231,18 +240,19 @@ def evaluate_accuracy(model, tokenizer, *, tasks: Sequence[str], modes: Sequence
                                          max_length=max_length, num_fewshot=num_fewshot,
                                          bootstrap_iters=bootstrap_iters)
         seconds[mode] = time.perf_counter() - begin
+        if len(per_mode) < len(modes):  # the comparison needs both: until then, the finished mode's metrics
+            report_progress({"metrics_by_mode": {name: metrics_of(results) for name, results in per_mode.items()},
+                             "lm_eval_seconds": dict(seconds),
+                             "n_samples": {name: results.get("n-samples", {}) for name, results in per_mode.items()}})
     result = {
-        "kind": "accuracy",
-        "modes": list(modes),
-        "tasks": list(tasks),
-        "limit": limit,
-        "num_fewshot": num_fewshot,
+        **header,
         "comparison": compare_modes(per_mode[modes[0]], per_mode[modes[1]], modes),
         "lm_eval_seconds": seconds,
         "n_samples": {mode: per_mode[mode].get("n-samples", {}) for mode in modes},
         "logit_agreement": None,
     }
     if agreement_length != 0:
+        report_progress(result)
         length = agreement_length or default_agreement_length(model.config)
         sequences = make_sequences(tokenizer, model.config.vocab_size, length, agreement_sequences, seed)
         result["logit_agreement"] = logit_agreement(model, sequences, modes=modes, max_positions=agreement_positions)
@@ -401,28 +411,42 @@ def run_command(argv=None) -> dict:
     if args.agreement_length and args.agreement_length <= window:
         raise SystemExit(f"--agreement-length must exceed the top-k window of {window} tokens (0 skips it), got "
                          f"{args.agreement_length}")
-    result = evaluate_accuracy(
-        model, tokenizer, tasks=tasks, modes=modes, limit=_limit(args.limit),
-        batch_size=args.batch_size, max_length=args.max_length, num_fewshot=args.num_fewshot,
-        bootstrap_iters=args.bootstrap_iters, agreement_length=args.agreement_length,
-        agreement_sequences=args.agreement_sequences, agreement_positions=args.agreement_positions, seed=args.seed,
-        session=session,
-    )
-    result["retrieval_by_length"] = None
-    on_gpu = next(model.parameters()).is_cuda
-    # by default only for the project's tiny models: their tokenizers encode digits one by one, as the synthetic
-    # documents need; a checkpoint gets the report when --retrieval-lengths asks for it
-    default_lengths = "none" if args.model not in (None, EMBEDDED) else (
-        RETRIEVAL_LENGTHS_GPU if on_gpu else RETRIEVAL_LENGTHS_CPU)
-    lengths = args.retrieval_lengths or _retrieval_lengths(default_lengths)
-    if lengths != "none":
-        from . import retrieval_accuracy
+    run_environment = environment()
+    flushed = []
 
-        documents = args.retrieval_documents or (16 if on_gpu else 1)
-        result["retrieval_by_length"] = retrieval_accuracy.evaluate_retrieval_accuracy(
-            model, tokenizer, lengths=lengths, documents=documents, recall_documents=min(documents, 4))
+    def flush(partial: dict) -> None:  # each finished part, atomically: an interrupted run keeps them
+        flushed.append(write_json(output, {**partial, **description, "environment": run_environment}))
+
+    try:
+        result = evaluate_accuracy(
+            model, tokenizer, tasks=tasks, modes=modes, limit=_limit(args.limit),
+            batch_size=args.batch_size, max_length=args.max_length, num_fewshot=args.num_fewshot,
+            bootstrap_iters=args.bootstrap_iters, agreement_length=args.agreement_length,
+            agreement_sequences=args.agreement_sequences, agreement_positions=args.agreement_positions, seed=args.seed,
+            session=session, on_progress=flush,
+        )
+        result["retrieval_by_length"] = None
+        on_gpu = next(model.parameters()).is_cuda
+        # by default only for the project's tiny models: their tokenizers encode digits one by one, as the synthetic
+        # documents need; a checkpoint gets the report when --retrieval-lengths asks for it
+        default_lengths = "none" if args.model not in (None, EMBEDDED) else (
+            RETRIEVAL_LENGTHS_GPU if on_gpu else RETRIEVAL_LENGTHS_CPU)
+        lengths = args.retrieval_lengths or _retrieval_lengths(default_lengths)
+        if lengths != "none":
+            from . import retrieval_accuracy
+
+            flush({**result, "partial": True})
+            documents = args.retrieval_documents or (16 if on_gpu else 1)
+            result["retrieval_by_length"] = retrieval_accuracy.evaluate_retrieval_accuracy(
+                model, tokenizer, lengths=lengths, documents=documents, recall_documents=min(documents, 4),
+                after_length=lambda retrieval: flush({**result, "partial": True, "retrieval_by_length": retrieval}))
+    except KeyboardInterrupt:
+        saved = f"the finished parts are in {output} (\"partial\": true)" if flushed else "no part had finished"
+        print(f"\ninterrupted: {saved}", file=sys.stderr)
+        raise SystemExit(130) from None
     result.update(description)
-    result["environment"] = environment()
+    result["environment"] = run_environment
+    result["partial"] = False
     print_accuracy_report(result)
     output = write_json(output, result)
     print(f"\nresults: {output}")

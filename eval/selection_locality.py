@@ -13,7 +13,8 @@ than 16 causal pages count (earlier tokens select every page).
 from __future__ import annotations
 
 import argparse
-from typing import Optional, Sequence
+import sys
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -68,13 +69,15 @@ def _model_selections(model, input_ids: torch.Tensor) -> list:
 
 
 def measure_selection_locality(model, tokenizer, *, lengths: Sequence[int], documents: int = 1,
-                               tiles: Sequence[int] = TILE_TOKENS, seed: int = ra.SEED) -> dict:
+                               tiles: Sequence[int] = TILE_TOKENS, seed: int = ra.SEED,
+                               on_progress: Optional[Callable[[dict], None]] = None) -> dict:
     """Mean union pages per tile, per length, variant, sparse layer (the model's layer index) and tile size, averaged
-    over documents."""
+    over documents. ``on_progress`` gets the results so far (``"partial": True``) as each length but the last
+    completes, so an interrupted run keeps them."""
     device = next(model.parameters()).device
     sparse_layers = [index for index, layer in enumerate(model.model.layers) if layer.self_attn.is_sparse]
     rows = []
-    for length in lengths:
+    for position_of_length, length in enumerate(lengths):
         for document in ra.make_documents(tokenizer, length, documents, seed=seed, tasks=("passkey",)):
             input_ids = tokenizer(document["context"], return_tensors="pt").input_ids.to(device)
             for name in VARIANTS:
@@ -91,13 +94,19 @@ def measure_selection_locality(model, tokenizer, *, lengths: Sequence[int], docu
                         rows.append(dict(length=length, doc_id=document["doc_id"], tokens=input_ids.shape[1],
                                          variant=name, layer=layer,
                                          tile_tokens=tile, mean_union_pages=mean_union_pages(selection.cpu(), tile)))
+        if on_progress is not None and position_of_length < len(lengths) - 1:
+            on_progress({"partial": True, **_summarized(rows)})
+    return _summarized(rows)
+
+
+def _summarized(rows: list) -> dict:
     summary = {}
     for row in rows:
         key = (row["length"], row["variant"], row["layer"], row["tile_tokens"])
         summary.setdefault(key, []).append(row["mean_union_pages"])
-    return {"rows": rows, "summary": [dict(length=k[0], variant=k[1], layer=k[2], tile_tokens=k[3],
-                                           mean_union_pages=sum(v) / len(v), documents=len(v))
-                                      for k, v in summary.items()]}
+    return {"rows": list(rows), "summary": [dict(length=k[0], variant=k[1], layer=k[2], tile_tokens=k[3],
+                                                 mean_union_pages=sum(v) / len(v), documents=len(v))
+                                            for k, v in summary.items()]}
 
 
 def locality_table(result: dict) -> str:
@@ -147,9 +156,21 @@ def run_command(argv: Optional[Sequence[str]] = None) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    result = measure_selection_locality(model, tokenizer, lengths=args.lengths, documents=args.documents,
-                                        tiles=args.tiles)
+    flushed = []
+
+    def flush(partial: dict) -> None:  # each finished length, atomically: an interrupted run keeps them
+        if output is not None:
+            flushed.append(write_json(output, {**partial, "model": path}))
+
+    try:
+        result = measure_selection_locality(model, tokenizer, lengths=args.lengths, documents=args.documents,
+                                            tiles=args.tiles, on_progress=flush)
+    except KeyboardInterrupt:
+        saved = f"the finished lengths are in {output} (\"partial\": true)" if flushed else "no length had finished"
+        print(f"\ninterrupted: {saved}", file=sys.stderr)
+        raise SystemExit(130) from None
     result["model"] = path
+    result["partial"] = False
     print(locality_table(result))
     if output is not None:
         write_json(output, result)

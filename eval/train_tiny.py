@@ -51,7 +51,7 @@ from .modes import attention_mode, set_attention_mode
 from .recall import RecallAccumulator
 from .report import checked_output_directory
 from .synthetic_retrieval import TASKS, RetrievalBatch, RetrievalDataConfig, RetrievalDataGenerator, build_retrieval_tokenizer
-from .training_curves import plot_training_curves
+from .training_curves import SUPERSEDED_EVENT, plot_training_curves, read_log
 
 __all__ = ["SEED", "Phase", "TrainingPlan", "FULL_PLAN", "SMOKE_PLAN", "tiny_model_config", "answer_loss",
            "evaluate_retrieval", "Trainer", "main"]
@@ -392,8 +392,14 @@ class Trainer:
                              f"this command asks for plan {self.plan.name!r} with seed {self.seed} (--smoke, --seed)")
         self.model.load_state_dict(state["model"])
         self.progress = Progress(**state["progress"])
-        with open(self.log_path, "r+b") as handle:  # records written after the checkpoint are redone
-            handle.truncate(state["log_bytes"])
+        size = self.log_path.stat().st_size
+        if size > state["log_bytes"]:  # records written after the checkpoint are redone: mark them, never cut them
+            with open(self.log_path, "rb+") as handle:
+                handle.seek(size - 1)
+                if handle.read(1) != b"\n":  # a record cut short by a kill: end its line
+                    handle.write(b"\n")
+                    size += 1
+            self._log(SUPERSEDED_EVENT, from_byte=state["log_bytes"], to_byte=size)
         current = asdict(self.plan)
         changed = sorted(key for key in current if current[key] != state["plan_settings"].get(key))
         if changed:  # allowed (e.g. a longer phase budget for a stalled curriculum), but the log must say so
@@ -566,7 +572,7 @@ class Trainer:
         set_attention_mode(export_model, "sparse")
         export_model.save_pretrained(self.output)
         self.tokenizer.save_pretrained(self.output)
-        records = [json.loads(line) for line in self.log_path.read_text().splitlines() if line.strip()]
+        records = read_log(self.log_path)
         summary = training_summary(records, self.progress, self.plan, self.seed)
         (self.output / SUMMARY_FILE).write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
         (self.output / "README.md").write_text(model_card(summary))

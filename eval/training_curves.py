@@ -16,11 +16,40 @@ from typing import List, Optional, Sequence
 from .cli import add_debug_argument, run_main
 from .report import checked_output_path, pyplot, save_figure
 
-__all__ = ["read_log", "plot_training_curves", "run_command", "main"]
+__all__ = ["SUPERSEDED_EVENT", "read_log", "plot_training_curves", "run_command", "main"]
+
+
+SUPERSEDED_EVENT = "superseded"
+"""A resumed run's first record: the log's bytes ``[from_byte, to_byte)`` hold records written after the checkpoint
+it resumed from, which it redoes."""
 
 
 def read_log(path: Path) -> List[dict]:
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    """A training log's records, without those a resumed run redid: a ``superseded`` record names the byte range of
+    the records written after the checkpoint it resumed from (the log itself is never cut). A record cut short by a
+    kill can only lie in such a range."""
+    lines, offset = [], 0
+    for line in Path(path).read_bytes().splitlines(keepends=True):
+        if line.strip():
+            lines.append((offset, line))
+        offset += len(line)
+    parsed = []
+    for offset, line in lines:
+        try:
+            parsed.append((offset, json.loads(line)))
+        except json.JSONDecodeError:
+            parsed.append((offset, None))
+    superseded = [(record["from_byte"], record["to_byte"]) for _, record in parsed
+                  if record is not None and record.get("event") == SUPERSEDED_EVENT]
+    records = []
+    for offset, record in parsed:
+        if any(begin <= offset < end for begin, end in superseded):
+            continue
+        if record is None:
+            raise ValueError(f"{path}: the record at byte {offset} is not valid JSON")
+        if record.get("event") != SUPERSEDED_EVENT:
+            records.append(record)
+    return records
 
 
 def plot_training_curves(records: Sequence[dict], output: Path) -> Path:

@@ -20,6 +20,7 @@ import sys
 import torch
 
 from . import MiniMaxM3Config, MiniMaxM3ForCausalLM
+from .bench_output import add_output_arguments, checked_output, write_json
 from .configuration_minimax_m3 import SPARSE_ATTENTION
 from .sparse_attention import SPARSE_ATTENTION_FUNCTIONS
 from .timing import timed_seconds
@@ -307,8 +308,9 @@ def main(argv=None):
     parser.add_argument("--experts", default="default",
                         help="comma-separated experts implementations to compare (transformers' names: grouped_mm, "
                              "batched_mm, eager; default: the model's default)")
-    parser.add_argument("--output", default=None)
+    add_output_arguments(parser)
     args = parser.parse_args(argv)
+    output = checked_output(parser, args.output, args.overwrite)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tiny = device.type == "cpu"
     default_lengths = "96,200" if tiny else "8192,32768,131072,262144"
@@ -328,9 +330,8 @@ def main(argv=None):
                 for experts_implementation in experts:
                     results.append(bench_model(mode, config, length, device, dtype, args.repeats, experts_implementation))
                     print(json.dumps(results[-1]), flush=True)
-    if args.output:
-        with open(args.output, "w") as handle:
-            json.dump(results, handle, indent=1)
+    if output is not None:
+        write_json(output, results)
     if args.attention_only:
         print("\n| length | selection | sparse block ms | dense block ms | block speed-up | sparse core ms | dense core ms | core speed-up |")
         print("|---|---|---|---|---|---|---|---|")

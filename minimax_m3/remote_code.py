@@ -10,7 +10,7 @@ import json
 import os
 import tempfile
 
-__all__ = ["AUTO_MAP", "write_remote_code"]
+__all__ = ["AUTO_MAP", "write_remote_code", "write_text_atomically"]
 
 AUTO_MAP = {
     "AutoConfig": "configuration_minimax_m3.MiniMaxM3Config",
@@ -30,7 +30,8 @@ _MODULES = {
 }
 
 
-def _write_atomically(path: str, text: str) -> None:
+def write_text_atomically(path: str, text: str) -> None:
+    """``text`` into ``path`` through a temporary file renamed into place: the whole new file or the old one."""
     directory = os.path.dirname(path) or "."
     handle, temporary = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
     try:
@@ -48,6 +49,6 @@ def write_remote_code(directory: str) -> None:
     with open(config_path) as handle:
         config = json.load(handle)
     for name, text in _MODULES.items():
-        _write_atomically(os.path.join(directory, name), text)
+        write_text_atomically(os.path.join(directory, name), text)
     config["auto_map"] = dict(AUTO_MAP)
-    _write_atomically(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_text_atomically(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")

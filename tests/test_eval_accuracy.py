@@ -41,7 +41,7 @@ def test_accuracy_command_end_to_end_offline(isolated, monkeypatch, capsys):
     assert all(__import__("os").environ[name] == "1" for name in OFFLINE_SWITCHES)
 
     saved = json.loads(output.read_text())
-    assert saved["kind"] == "accuracy" and saved["modes"] == ["sparse", "dense"]
+    assert saved["kind"] == "accuracy" and saved["modes"] == ["sparse", "dense"] and saved["partial"] is False
     assert saved["tasks"] == list(accuracy.DEFAULT_TASKS_EMBEDDED) and saved["limit"] == 6
     assert saved["model"] == "embedded default" and saved["dtype"] == "float32" and saved["retrieval_by_length"] is None
     retrieval = saved["comparison"]["m3_kv_retrieval_short"]["acc"]
@@ -87,6 +87,53 @@ def test_default_model_is_the_trained_one_with_the_retrieval_by_length_report(is
                                                  "sliding-window"}
     printed = capsys.readouterr().out
     assert "Retrieval accuracy per context length" in printed and "Indexer recall" in printed
+
+
+INTERRUPTIBLE = ["--model", "embedded", "--tasks", "m3_kv_retrieval_short", "--limit", "2", "--agreement-length", "0"]
+
+
+def test_an_interrupted_run_keeps_the_finished_mode(isolated, monkeypatch, capsys):
+    """Ctrl-C during the second mode's lm-eval run: valid JSON marked partial, with the first mode's metrics."""
+    no_network(monkeypatch)
+    output = isolated / "accuracy-interrupted-mode.json"
+    real_run, calls = accuracy.run_lm_eval, []
+
+    def interrupted_second_mode(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(accuracy, "run_lm_eval", interrupted_second_mode)
+    with pytest.raises(SystemExit) as exited:
+        accuracy.run_command([*INTERRUPTIBLE, "--retrieval-lengths", "none", "--output", str(output)])
+    assert exited.value.code == 130
+    assert "interrupted: the finished parts are in" in capsys.readouterr().err
+    written = json.loads(output.read_text())
+    assert written["partial"] is True and written["kind"] == "accuracy" and written["model"] == "embedded default"
+    assert list(written["metrics_by_mode"]) == ["sparse"] and list(written["lm_eval_seconds"]) == ["sparse"]
+    assert 0.0 <= written["metrics_by_mode"]["sparse"]["m3_kv_retrieval_short"]["acc"] <= 1.0
+    assert "comparison" not in written and written["environment"]
+
+
+def test_an_interrupted_retrieval_report_keeps_the_comparison_and_the_finished_lengths(isolated, monkeypatch, capsys):
+    """Ctrl-C after the first retrieval length: the comparison and that length are on disk, marked partial."""
+    from eval import retrieval_accuracy
+
+    no_network(monkeypatch)
+    output = isolated / "accuracy-interrupted-retrieval.json"
+
+    def interrupted_after_one_length(model, tokenizer, *, lengths, after_length, **kwargs):
+        after_length({"lengths": {lengths[0]: {"dense": {"accuracy": 1.0}}}, "complete": False})
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(retrieval_accuracy, "evaluate_retrieval_accuracy", interrupted_after_one_length)
+    with pytest.raises(SystemExit) as exited:
+        accuracy.run_command([*INTERRUPTIBLE, "--retrieval-lengths", "1024,2048", "--output", str(output)])
+    assert exited.value.code == 130
+    written = json.loads(output.read_text())
+    assert written["partial"] is True and set(written["comparison"]) == {"m3_kv_retrieval_short"}
+    assert written["retrieval_by_length"] == {"lengths": {"1024": {"dense": {"accuracy": 1.0}}}, "complete": False}
 
 
 def test_lm_eval_gives_identical_results_when_every_position_keeps_all_its_pages(tiny):

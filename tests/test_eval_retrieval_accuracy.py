@@ -130,6 +130,26 @@ def test_report_and_json_schema(trained, tmp_path):
     assert path is None or path.stat().st_size > 0
 
 
+def test_an_interrupted_command_keeps_its_finished_lengths(tmp_path, monkeypatch):
+    """Ctrl-C while the second length runs: the first length is on disk as valid JSON, marked not complete."""
+    output = tmp_path / "retrieval.json"
+    make_documents = ra.make_documents
+
+    def interrupted_at_the_second_length(tokenizer, length, *args, **kwargs):
+        if length == 640:
+            raise KeyboardInterrupt
+        return make_documents(tokenizer, length, *args, **kwargs)
+
+    monkeypatch.setattr(ra, "make_documents", interrupted_at_the_second_length)
+    with pytest.raises(KeyboardInterrupt):
+        ra.run_command(["--lengths", "512,640", "--documents", "1", "--variants", "dense", "--recall-documents", "0",
+                        "--device", "cpu", "--output", str(output)])
+    written = json.loads(output.read_text())
+    assert written["complete"] is False and list(written["lengths"]) == ["512"] and written["model"]
+    assert set(written["lengths"]["512"]) == {"dense"} and list(written["documents"]) == ["512"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["retrieval.json"]
+
+
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="variant"):
         with ra.variant(None, "banana"):

@@ -43,6 +43,28 @@ def test_command_reports_every_variant_on_the_trained_model(tmp_path, capsys):
                             ("uniform-random", None)}
     assert all(16 <= value <= 8 * 16 for value in summary.values())
     assert result["rows"][0]["tokens"] > 2048
+    assert json.loads(output.read_text())["partial"] is False
+
+
+def test_an_interrupted_run_keeps_its_finished_lengths(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the second length runs: valid JSON marked partial, with the first length's rows."""
+    output = tmp_path / "locality.json"
+    make_documents = sl.ra.make_documents
+
+    def interrupted_at_the_second_length(tokenizer, length, *args, **kwargs):
+        if length == 2500:
+            raise KeyboardInterrupt
+        return make_documents(tokenizer, length, *args, **kwargs)
+
+    monkeypatch.setattr(sl.ra, "make_documents", interrupted_at_the_second_length)
+    with pytest.raises(SystemExit) as exited:
+        sl.run_command(["--lengths", "2400,2500", "--tiles", "8", "--device", "cpu", "--output", str(output)])
+    assert exited.value.code == 130
+    assert "interrupted: the finished lengths are in" in capsys.readouterr().err
+    written = json.loads(output.read_text())
+    assert written["partial"] is True and written["model"]
+    assert {row["length"] for row in written["rows"]} == {2400} and {row["length"] for row in written["summary"]} == {2400}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["locality.json"]
 
 
 def test_lengths_must_leave_tiles_beyond_the_first_16_pages():

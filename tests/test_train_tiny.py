@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import minimax_m3  # noqa: F401  (registers the Auto classes)
 from eval import train_tiny
+from eval.training_curves import read_log
 from eval.modes import attention_mode
 from minimax_m3 import MiniMaxM3ForCausalLM
 
@@ -27,7 +28,8 @@ def smoke_run(tmp_path_factory):
 
 
 def log_records(output: Path) -> list:
-    return [json.loads(line) for line in (output / train_tiny.LOG_FILE).read_text().splitlines()]
+    """The log's records as its reader sees them: without those a resumed run redid."""
+    return read_log(output / train_tiny.LOG_FILE)
 
 
 def without_timing(records: list) -> list:
@@ -103,6 +105,26 @@ def test_resume_continues_exactly(smoke_run, tmp_path):
     uninterrupted = without_timing(log_records(smoke_run))
     stage_one = next(i for i, r in enumerate(uninterrupted) if r["event"] == "stage_end" and r["stage"] == 1) + 1
     assert resumed == uninterrupted[:stage_one]
+
+
+def test_a_resume_marks_the_records_it_redoes_and_never_cuts_the_log(tmp_path):
+    output = tmp_path / "run"
+    assert train_tiny.main(["--smoke", "--output", str(output), "--device", "cpu", "--stage", "1", "--max-steps", "3"]) == 0
+    log = output / train_tiny.LOG_FILE
+    with open(log, "a", encoding="utf-8") as handle:  # a record after the checkpoint, then one a kill cut short
+        handle.write(json.dumps({"event": "train", "stage": 1, "step": 999, "loss": 1.0}) + "\n")
+        handle.write('{"event": "train", "st')
+    before = log.read_bytes()
+    assert train_tiny.main(["--smoke", "--output", str(output), "--device", "cpu", "--stage", "1", "--max-steps", "1",
+                            "--resume"]) == 0
+    after = log.read_bytes()
+    assert after.startswith(before)  # every byte kept
+    raw = [json.loads(line) for line in after[len(before):].decode().splitlines() if line.strip()]
+    marker = raw[0]
+    assert marker["event"] == "superseded" and marker["to_byte"] == len(before) + 1  # the cut record's line ended
+    records = log_records(output)
+    assert not any(r.get("step") == 999 for r in records) and all(r["event"] != "superseded" for r in records)
+    assert [r["event"] for r in records].count("command_start") == 2
 
 
 def test_resuming_under_a_changed_plan_is_logged(smoke_run, tmp_path, monkeypatch):

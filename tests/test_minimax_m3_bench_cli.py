@@ -1,0 +1,87 @@
+"""The model benches' command lines (``minimax_m3.bench_prefill``, ``bench_sparse_attention``, ``bench_decode``):
+``--output`` and ``--device`` are checked before any work, an existing output is kept without ``--overwrite``, and
+results are written atomically (CPU)."""
+
+import json
+
+import pytest
+import torch
+
+from minimax_m3 import bench_decode, bench_prefill, bench_sparse_attention
+
+CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+
+
+def refuse_work(*args, **kwargs):
+    raise AssertionError("the bench started working before checking its arguments")
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    for module, name in ((bench_prefill, "geometry_config"), (bench_prefill, "bench_model"),
+                         (bench_prefill, "bench_attention"), (bench_sparse_attention, "cute_sparse_attention_supported"),
+                         (bench_sparse_attention, "bench"), (bench_decode, "build"),
+                         (bench_decode, "decode_step_profile")):
+        monkeypatch.setattr(module, name, refuse_work)
+
+
+def refused(main, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("main", [bench_prefill.main, bench_sparse_attention.main], ids=["prefill", "sparse_attention"])
+@pytest.mark.parametrize("problem, match", [
+    ("existing", "exists: pass --overwrite"),
+    ("directory", "is a directory"),
+    ("under_a_file", "is a file, not a directory"),
+])
+def test_output_is_checked_before_any_work(main, problem, match, tmp_path, capsys, no_work):
+    output = tmp_path / "out.json"
+    if problem == "existing":
+        output.write_text('{"kept": true}')
+    elif problem == "directory":
+        output.mkdir()
+    else:
+        (tmp_path / "file").write_text("kept")
+        output = tmp_path / "file" / "out.json"
+    assert match in refused(main, ["--output", str(output)], capsys)
+    if problem == "existing":
+        assert output.read_text() == '{"kept": true}'
+    elif problem == "under_a_file":
+        assert (tmp_path / "file").read_text() == "kept"
+
+
+@CUDA
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_bench_decode_refuses_a_cuda_device_on_a_machine_without_one(device, capsys, no_work):
+    assert "CUDA is not available on this machine" in refused(bench_decode.main, ["--tiny", "--device", device], capsys)
+
+
+def test_bench_decode_refuses_an_unknown_device(capsys, no_work):
+    assert "expected auto, cpu, cuda or cuda:N" in refused(bench_decode.main, ["--tiny", "--device", "tpu"], capsys)
+
+
+def test_bench_prefill_overwrite_replaces_the_output_atomically(tmp_path, monkeypatch, capsys):
+    def fake_model(mode, config, length, device, dtype, repeats, experts_implementation=None):
+        return dict(mode=mode, length=length, seconds=0.5, tokens_per_second=length / 0.5, peak_gib=1.0,
+                    experts="default")
+
+    monkeypatch.setattr(bench_prefill, "bench_model", fake_model)
+    output = tmp_path / "out.json"
+    output.write_text('{"old": true}')
+    bench_prefill.main(["--lengths", "32", "--modes", "dense", "--output", str(output), "--overwrite"])
+    assert json.loads(output.read_text()) == [fake_model("dense", None, 32, None, None, None)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]  # no temporary left behind
+    assert "| 32 | dense | default | 500.0 |" in capsys.readouterr().out
+
+
+@CUDA
+def test_bench_sparse_attention_without_a_gpu_keeps_an_existing_output(tmp_path, capsys):
+    output = tmp_path / "out.json"
+    output.write_text('{"kept": true}')
+    with pytest.raises(SystemExit, match="needs an SM90 GPU"):
+        bench_sparse_attention.main(["--lengths", "256", "--output", str(output), "--overwrite"])
+    assert output.read_text() == '{"kept": true}'
