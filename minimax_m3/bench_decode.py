@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import torch
 
-from .bench_output import checked_device
+from .bench_output import checked_device, positive_int
 from .bench_prefill import build, geometry_config
 from .cache import MiniMaxM3StaticCache
 from .timing import median_cuda_ms
@@ -88,15 +88,15 @@ def decode_step_profile(model, *, context: int, batch: int, steps: int, graphs: 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--context", type=int, default=131072)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--sparse-layers", type=int, default=3)
+    parser.add_argument("--context", type=positive_int, default=131072)
+    parser.add_argument("--batch", type=positive_int, default=1)
+    parser.add_argument("--steps", type=positive_int, default=8)
+    parser.add_argument("--sparse-layers", type=positive_int, default=3)
     parser.add_argument("--mode", choices=["sparse", "dense"], default="sparse")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--tiny", action="store_true", help="the CPU-sized geometry")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--top", type=int, default=25, help="kernel names to list")
+    parser.add_argument("--top", type=positive_int, default=25, help="kernel names to list")
     args = parser.parse_args(argv)
     device = checked_device(parser, args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

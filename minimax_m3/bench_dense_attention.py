@@ -16,6 +16,7 @@ import argparse
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
+from .bench_output import positive_int
 from .dense_attention import sdpa_attention_forward
 from .timing import median_cuda_ms
 
@@ -70,7 +71,7 @@ def reference_tail(q, k, v, scale, rows: int = 64):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=positive_int, default=10)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_dense_attention needs a CUDA GPU")

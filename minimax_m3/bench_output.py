@@ -16,11 +16,13 @@ import torch
 
 from .remote_code import write_text_atomically
 
-__all__ = ["add_output_arguments", "checked_output", "checked_device", "write_json"]
+__all__ = ["add_output_arguments", "checked_output", "checked_device", "positive_int", "positive_ints", "write_json",
+           "write_results"]
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--output", default=None, help="JSON results path (written atomically at the end)")
+    parser.add_argument("--output", default=None,
+                        help="JSON results path (rewritten atomically after each measurement, \"partial\" until the end)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
 
 
@@ -69,3 +71,29 @@ def write_json(path: Path, payload) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomically(str(path), json.dumps(payload, indent=1) + "\n")
     return path
+
+
+def write_results(path: Optional[Path], results: list, *, partial: bool) -> None:
+    """``{"partial": ..., "results": [...]}`` into ``path`` (None: nothing), atomically: rewritten after every
+    measurement, so an interrupted run keeps the finished ones, marked partial."""
+    if path is not None:
+        write_json(path, {"partial": partial, "results": results})
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1 (counts, lengths, repeats)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def positive_ints(text: str) -> list:
+    """argparse type: comma-separated integers of at least 1."""
+    try:
+        return [positive_int(part) for part in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}") from None

@@ -20,7 +20,7 @@ import sys
 import torch
 
 from . import MiniMaxM3Config, MiniMaxM3ForCausalLM
-from .bench_output import add_output_arguments, checked_output, write_json
+from .bench_output import add_output_arguments, checked_output, positive_int, positive_ints, write_results
 from .configuration_minimax_m3 import SPARSE_ATTENTION
 from .sparse_attention import SPARSE_ATTENTION_FUNCTIONS
 from .timing import timed_seconds
@@ -294,10 +294,11 @@ def _time_attention_layer(model, length, device, dtype, repeats):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", default=None, help="comma-separated prompt lengths (default: 8K,32K,128K,256K on GPU)")
+    parser.add_argument("--lengths", type=positive_ints, default=None,
+                        help="comma-separated prompt lengths (default: 8K,32K,128K,256K on GPU)")
     parser.add_argument("--modes", default="sparse,dense,native")
-    parser.add_argument("--sparse-layers", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sparse-layers", type=positive_int, default=2)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--attention-only", action="store_true")
     parser.add_argument("--sparse-attention", default="auto", choices=["auto", *SPARSE_ATTENTION_FUNCTIONS],
                         help="the sparse layers' attention function (config.sparse_attention_implementation)")
@@ -313,8 +314,7 @@ def main(argv=None):
     output = checked_output(parser, args.output, args.overwrite)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tiny = device.type == "cpu"
-    default_lengths = "96,200" if tiny else "8192,32768,131072,262144"
-    lengths = [int(x) for x in (args.lengths or default_lengths).split(",")]
+    lengths = args.lengths or ([96, 200] if tiny else [8192, 32768, 131072, 262144])
     dtype = torch.float32 if tiny else torch.bfloat16
     config = geometry_config(args.sparse_layers, tiny=tiny, real_moe=args.real_moe,
                              sparse_attention_implementation=args.sparse_attention)
@@ -325,13 +325,14 @@ def main(argv=None):
     for length in lengths:
         if args.attention_only:
             results.append(bench_attention(config, length, device, dtype, args.repeats, args.selection))
+            write_results(output, results, partial=True)
         else:
             for mode in args.modes.split(","):
                 for experts_implementation in experts:
                     results.append(bench_model(mode, config, length, device, dtype, args.repeats, experts_implementation))
                     print(json.dumps(results[-1]), flush=True)
-    if output is not None:
-        write_json(output, results)
+                    write_results(output, results, partial=True)
+    write_results(output, results, partial=False)
     if args.attention_only:
         print("\n| length | selection | sparse block ms | dense block ms | block speed-up | sparse core ms | dense core ms | core speed-up |")
         print("|---|---|---|---|---|---|---|---|")

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from .bench_output import add_output_arguments, checked_output, write_json
+from .bench_output import add_output_arguments, checked_output, positive_int, positive_ints, write_results
 from .bench_prefill import clustered_selection
 from .dense_attention import dense_attention
 from .timing import median_cuda_ms
@@ -66,18 +66,21 @@ def bench(length: int, repeats: int, flex_max_length: int) -> list:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", default="32768,131072")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--flex-max-length", type=int, default=32768, help="longer lengths skip FlexAttention (slow)")
+    parser.add_argument("--lengths", type=positive_ints, default=[32768, 131072])
+    parser.add_argument("--repeats", type=positive_int, default=5)
+    parser.add_argument("--flex-max-length", type=positive_int, default=32768,
+                        help="longer lengths skip FlexAttention (slow)")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
     output = checked_output(parser, args.output, args.overwrite)
     probe = torch.empty(1, HEADS, DIM, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu")
     if not cute_sparse_attention_supported(probe, probe.new_empty(1, 1, KV_HEADS, DIM), PAGE):
         sys.exit("bench_sparse_attention needs an SM90 GPU (H100/H200) with nvidia-cutlass-dsl")
-    rows = [row for length in (int(x) for x in args.lengths.split(",")) for row in bench(length, args.repeats, args.flex_max_length)]
-    if output is not None:
-        write_json(output, rows)
+    rows = []
+    for length in args.lengths:
+        rows += bench(length, args.repeats, args.flex_max_length)
+        write_results(output, rows, partial=True)
+    write_results(output, rows, partial=False)
     print("\n| length | selection | mean union pages per tile | cute ms | FlexAttention ms | dense SDPA ms | cute useful TFLOP/s | dense / cute |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

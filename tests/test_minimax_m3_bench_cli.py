@@ -73,7 +73,7 @@ def test_bench_prefill_overwrite_replaces_the_output_atomically(tmp_path, monkey
     output = tmp_path / "out.json"
     output.write_text('{"old": true}')
     bench_prefill.main(["--lengths", "32", "--modes", "dense", "--output", str(output), "--overwrite"])
-    assert json.loads(output.read_text()) == [fake_model("dense", None, 32, None, None, None)]
+    assert json.loads(output.read_text()) == {"partial": False, "results": [fake_model("dense", None, 32, None, None, None)]}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]  # no temporary left behind
     assert "| 32 | dense | default | 500.0 |" in capsys.readouterr().out
 
@@ -85,3 +85,33 @@ def test_bench_sparse_attention_without_a_gpu_keeps_an_existing_output(tmp_path,
     with pytest.raises(SystemExit, match="needs an SM90 GPU"):
         bench_sparse_attention.main(["--lengths", "256", "--output", str(output), "--overwrite"])
     assert output.read_text() == '{"kept": true}'
+
+
+@pytest.mark.parametrize("main, argv", [
+    (bench_prefill.main, ["--repeats", "0"]),
+    (bench_prefill.main, ["--lengths", "96,0"]),
+    (bench_prefill.main, ["--sparse-layers", "-1"]),
+    (bench_decode.main, ["--tiny", "--steps", "0"]),
+    (bench_decode.main, ["--tiny", "--batch", "x"]),
+    (bench_sparse_attention.main, ["--repeats", "0"]),
+])
+def test_counts_below_one_are_refused_before_any_work(main, argv, capsys, no_work):
+    assert ">= 1" in refused(main, argv, capsys)
+
+
+def test_bench_prefill_flushes_each_finished_measurement_as_partial(tmp_path, monkeypatch):
+    output = tmp_path / "out.json"
+    calls = []
+
+    def fake_model(mode, config, length, device, dtype, repeats, experts_implementation=None):
+        calls.append(mode)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return dict(mode=mode, length=length, seconds=0.5, tokens_per_second=length / 0.5, peak_gib=1.0,
+                    experts="default")
+
+    monkeypatch.setattr(bench_prefill, "bench_model", fake_model)
+    with pytest.raises(KeyboardInterrupt):
+        bench_prefill.main(["--lengths", "32", "--modes", "dense,sparse", "--output", str(output)])
+    saved = json.loads(output.read_text())
+    assert saved["partial"] is True and [r["mode"] for r in saved["results"]] == ["dense"]
