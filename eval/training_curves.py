@@ -95,15 +95,17 @@ def run_command(argv: Optional[Sequence[str]] = None) -> Path:
     parser = argparse.ArgumentParser(prog="python -m eval.training_curves", description=__doc__.splitlines()[0].replace("``", "`"))
     parser.add_argument("run", type=Path, help="the run's output directory (holds training_log.jsonl)")
     parser.add_argument("--output", type=Path, default=None,
-                        help="PNG path (default: RUN/training_curves.png; an existing file is replaced)")
+                        help="PNG path (default: RUN/training_curves.png, the run's own plot, redrawn in place)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     arguments = add_debug_argument(parser).parse_args(argv)
     log = arguments.run / "training_log.jsonl"
     if not log.is_file():
         raise SystemExit(f"{arguments.run}: no training_log.jsonl (give the --output directory of python -m "
                          f"eval.train_tiny)")
-    # no --overwrite: the plot is redrawn in place, as the trainer's export does; only unwritable paths are refused
+    # the run's own plot is a drawing of its log, redrawn in place as the trainer's export does; any other path
+    # keeps an existing file unless --overwrite
     output = checked_output_path(arguments.output or arguments.run / "training_curves.png", "training_curves",
-                                 overwrite=True, suffix=".png")
+                                 overwrite=arguments.overwrite or arguments.output is None, suffix=".png")
     path = plot_training_curves(read_log(log), output)
     print(f"curves: {path}")
     return path

@@ -193,3 +193,19 @@ def test_debug_after_a_double_dash_is_an_argument_not_the_flag(capsys):
     with pytest.raises(SystemExit):
         run_main(command, ["--", "--debug"])
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_training_curves_keep_an_existing_output_unless_overwrite(tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "training_log.jsonl").write_text('{"event": "plan"}\n')
+    existing = tmp_path / "curves.png"
+    existing.write_text("kept")
+    drawn = []
+    monkeypatch.setattr(training_curves, "plot_training_curves", lambda records, output: drawn.append(output) or output)
+    status, stderr = failed(training_curves.main, [str(run), "--output", str(existing)], capsys)
+    assert status == 2 and "exists: pass --overwrite to replace it" in stderr
+    assert existing.read_text() == "kept" and not drawn
+    training_curves.main([str(run), "--output", str(existing), "--overwrite"])
+    training_curves.main([str(run)])  # the run's own plot is redrawn in place
+    assert drawn == [existing, run / "training_curves.png"]
