@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+from minimax_m3.bench_output import positive_int
 
 from .cli import UsageError, add_debug_argument, run_main
 from .report import checked_output_path, write_json
@@ -39,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the model (written with --preset's random weights if missing)")
     parser.add_argument("--preset", choices=("m3-geometry", "tiny"), default="m3-geometry")
     parser.add_argument("--lengths", type=positive_ints, default=(32768, 131072))
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--gpus", type=int, default=2, help="device_map: the GPUs the layers are split over")
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--gpus", type=positive_int, default=2, help="device_map: the GPUs the layers are split over")
     parser.add_argument("--mode", choices=("sparse", "dense"), default="sparse")
     parser.add_argument("--output", default=None, help="JSON results (default: eval_results/tensor-parallel-<time>.json)")
     parser.add_argument("--overwrite", action="store_true")
