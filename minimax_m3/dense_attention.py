@@ -5,11 +5,8 @@ Both implementations served here are GQA-native: the 4 KV heads are never repeat
 repeat cost 2 x 3.2 ms per dense layer for a 2K-token chunk over 128K on the H200).
 
 * ``sdpa`` (default): ``scaled_dot_product_attention`` with ``enable_gqa``. A fresh prefill uses SDPA's own causal
-  mode; a single new token attends to everything without a mask. New tokens over a cached prefix are bottom-right
-  causal: on CUDA (inference, fp16/bf16) they run as two cuDNN attentions, the cached prefix without a mask and the
-  new tokens' square causal block, merged by their log-sum-exps (``split_causal_cudnn``); SDPA's bottom-right bias
-  would take FlashAttention-2's kernel, about half cuDNN's rate on Hopper (docs/PERFORMANCE.md). Elsewhere the
-  bottom-right bias (CUDA) or explicit row-chunked masks (CPU). A decode step of every sequence on CUDA
+  mode; new tokens over a cached prefix use a bottom-right causal bias (no mask tensor on CUDA: SDPA's flash kernel
+  aligns it); a single new token attends to everything without a mask. A decode step of every sequence on CUDA
   (one token each, fp16/bf16) runs flash-decoding instead (``decode_attention``).
 * ``eager``: the explicit softmax in fp32, grouped by KV head (the reference).
 * A function a user registers with ``transformers.AttentionInterface.register(name, fn)`` is called with
@@ -30,11 +27,10 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 
 from .decode_attention import flash_decode, flash_decode_supported
-from .split_kv import merge_split_outputs
 
 __all__ = ["ALL_ATTENTION_FUNCTIONS", "SERVED", "check_served", "dense_attention", "decode_step_attention",
            "eager_attention_forward",
-           "sdpa_attention_forward", "is_same_length_fresh_prefill", "split_causal_cudnn", "split_causal_cudnn_serves"]
+           "sdpa_attention_forward", "is_same_length_fresh_prefill"]
 
 _MASK_ELEMENTS = 1 << 24
 SERVED = ("sdpa", "eager")
@@ -65,8 +61,6 @@ def sdpa_attention_forward(module, query, key, value, attention_mask, dropout: f
         mask, causal = None, False  # one query at the end sees every key
     elif q_length == kv_length:
         mask, causal = None, True
-    elif kv_length > q_length and split_causal_cudnn_serves(query, key, dropout):
-        return split_causal_cudnn(query, key, value, scaling), None
     elif query.is_cuda:
         mask, causal = causal_lower_right(q_length, kv_length), False
     else:
@@ -74,42 +68,6 @@ def sdpa_attention_forward(module, query, key, value, attention_mask, dropout: f
     output = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scaling, enable_gqa=gqa)
     return output.transpose(1, 2), None
-
-
-_CUDNN_QUERY_TILE = 128
-
-
-def split_causal_cudnn_serves(query, key, dropout: float) -> bool:
-    """Whether ``split_causal_cudnn`` serves new tokens over a cached prefix: CUDA inference in fp16/bf16 with cuDNN's
-    SDPA enabled, head dims cuDNN takes, no dropout, and enough query tiles (one per 128 queries of each head) for a
-    wave of CTAs on every SM. cuDNN does not split the keys, so fewer tiles leave SMs idle over a long prefix: 16
-    tokens over 128K (64 tiles) took 1.9 ms against FlashAttention-2's 1.0 ms (docs/PERFORMANCE.md)."""
-    batch, heads, q_length, _ = query.shape
-    if not query.is_cuda:
-        return False
-    tiles = batch * heads * -(-q_length // _CUDNN_QUERY_TILE)
-    return (tiles >= torch.cuda.get_device_properties(query.device).multi_processor_count
-            and query.dtype in (torch.float16, torch.bfloat16) and key.dtype == query.dtype
-            and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad))
-            and not dropout and query.shape[-1] % 8 == 0 and query.shape[-1] <= 128
-            and torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled())
-
-
-def split_causal_cudnn(query, key, value, scaling):
-    """Bottom-right causal attention of ``query [B, H, q, D]`` over ``key`` / ``value [B, KV, kv, D]`` (kv > q) as
-    two cuDNN attentions with their log-sum-exps, the ``kv - q`` cached keys without a mask and the last ``q`` keys
-    causally (a square block, where top-left and bottom-right causal agree), merged per row; ``[B, q, H, D]``."""
-    batch, heads, q_length, head_dim = query.shape
-    past = key.shape[2] - q_length
-    outputs, lses = [], []
-    for keys, values, causal in ((key[:, :, :past], value[:, :, :past], False),
-                                 (key[:, :, past:], value[:, :, past:], True)):
-        output, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            query, keys, values, None, True, 0.0, causal, False, scale=scaling)[:2]
-        outputs.append(output.transpose(1, 2).reshape(batch * q_length, heads, head_dim))
-        lses.append(lse.view(batch, heads, q_length).transpose(1, 2).reshape(batch * q_length, heads))
-    merged = merge_split_outputs(torch.stack(outputs, 1), torch.stack(lses, 1), query.dtype)
-    return merged.view(batch, q_length, heads, head_dim)
 
 
 def _chunked_masked_sdpa(query, key, value, scaling, gqa):
