@@ -149,8 +149,9 @@ class MiniMaxM3Cache(Cache):
         self._set_lengths([length - removed for length in self.lengths])
         self.columns_seen -= removed
 
-    def activate_past_recording(self) -> None:
-        """Assisted decoding asks for it before cropping; a positional cache keeps every token anyway."""
+    def activate_past_recording(self, recurrent_states_to_keep: Optional[int] = None, **kwargs) -> None:
+        """Assisted decoding asks for it before cropping; a positional cache keeps every token anyway, and this model
+        has no recurrent states to keep (transformers >= 5.25 passes ``recurrent_states_to_keep``)."""
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._take_sequences(beam_idx)
