@@ -431,7 +431,9 @@ def test_prefill_benchmark_smoke_run(capsys, tmp_path):
     bench_prefill.main(["--lengths", "40", "--repeats", "1", "--modes", "sparse,dense", "--output", str(tmp_path / "r.json")])
     printed = capsys.readouterr().out
     assert "| 40 | sparse |" in printed and "| 40 | dense |" in printed
-    results = json.loads((tmp_path / "r.json").read_text())
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["partial"] is False
+    results = saved["results"]
     assert {r["mode"] for r in results} == {"sparse", "dense"} and all(r["seconds"] > 0 for r in results)
 
 
