@@ -1,8 +1,7 @@
 """The CuTe DSL runtime every SM90 kernel of the project shares (the indexer's and ``minimax_m3``'s).
 
 It holds the DSL probe, the compile-once cache with its CUDA-graph capture guard, the TVM-FFI calling convention
-the hot paths launch through, the DLPack tensor conversion for callers that launch the classic way, the stream and
-the SM count. Importing it never imports the DSL: the probe decides whether the kernels exist at all.
+every kernel launches through (torch tensors in, torch's current stream) and the SM count. Importing it never imports the DSL: the probe decides whether the kernels exist at all.
 """
 
 from __future__ import annotations
@@ -20,8 +19,6 @@ __all__ = [
     "compile_once",
     "compile_tvm_ffi",
     "compile_options",
-    "as_cute_tensor",
-    "cute_stream",
     "make_tma_pipeline",
     "TVM_FFI_OPTIONS",
 ]
@@ -88,27 +85,6 @@ def compile_tvm_ffi(kernel, arguments, *extra_options: str):
     compiled = cute.compile(kernel, *arguments, options=compile_options(*extra_options))
     bare = getattr(compiled, "__tvm_ffi_object__", None)
     return bare() if bare is not None else compiled
-
-
-def as_cute_tensor(tensor: torch.Tensor, *, leading_dim: int, align: int, fp8: bool = False):
-    """A CuTe view of ``tensor`` with every extent and stride dynamic except the unit stride of ``leading_dim``
-    (the classic DLPack launch; the indexer's hot path uses TVM-FFI instead)."""
-    import cutlass
-    from cutlass.cute.runtime import from_dlpack
-
-    if fp8:
-        converted = from_dlpack(tensor.view(torch.uint8), assumed_align=align)
-        converted.element_type = cutlass.Float8E4M3FN
-    else:
-        converted = from_dlpack(tensor, assumed_align=align)
-    return converted.mark_layout_dynamic(leading_dim=leading_dim)
-
-
-def cute_stream():
-    """The current torch CUDA stream as the DSL's stream argument."""
-    import cuda.bindings.driver as cuda_driver
-
-    return cuda_driver.CUstream(torch.cuda.current_stream().cuda_stream)
 
 
 def make_tma_pipeline(barriers, stages: int, stage_bytes: int, consumer_warps: int):

@@ -18,11 +18,11 @@ def variants():
 
     yield ("sparse_attention_sm90_g16", SparseAttentionSm90(16), sparse_attention_fake_arguments(), "bf16.bf16")
     yield ("sparse_decode_attention_sm90_g16", SparseAttentionSm90(16, decode=True), sparse_decode_attention_arguments(),
-           "bf16.bf16", True)
+           "bf16.bf16")
 
 
 def main(argv=None) -> int:
-    return run_compile_check(variants(), __doc__.splitlines()[0], argv, tvm_ffi=False)
+    return run_compile_check(variants(), __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from indexer.cute_runtime import as_cute_tensor, compile_once, compile_tvm_ffi, cute_stream, dsl_available, sm_count
+from indexer.cute_runtime import compile_once, compile_tvm_ffi, dsl_available, sm_count
 
 from .split_kv import merge_split_outputs
 
@@ -109,33 +109,23 @@ def sparse_union_attention_cute(q, keys, values, selection, metadata, *, scale: 
                                 out: torch.Tensor = None) -> torch.Tensor:
     """``sparse_attention_cute`` by the page-union kernel, whatever the query lengths (inputs as
     ``sparse_attention_cute`` validates them): what prefills and chunks take."""
-    if out is None:
-        out = torch.empty_like(q)
+    target = out if out is not None and out.is_contiguous() else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0:
-        return out
+        return target if out is None else out
     batch, capacity, num_kv_heads, head_dim = keys.shape
     pages_per_sequence = capacity // _PAGE_SIZE
     group = q.shape[1] // num_kv_heads
     tokens_per_tile = _TILE_ROWS // group
     union, count = page_unions(selection, metadata.batch_index, pages_per_sequence, tokens_per_tile)
     own_slots = metadata.cache_slots(capacity)
-    q = q.contiguous()
     with torch.cuda.device(q.device):
-        arguments = (
-            as_cute_tensor(q, leading_dim=2, align=16),
-            as_cute_tensor(keys.view(batch * capacity, num_kv_heads, head_dim), leading_dim=2, align=16),
-            as_cute_tensor(values.view(batch * capacity, num_kv_heads, head_dim), leading_dim=2, align=16),
-            as_cute_tensor(out, leading_dim=2, align=16),
-            None,
-            as_cute_tensor(union, leading_dim=2, align=4),
-            as_cute_tensor(count, leading_dim=1, align=4),
-            as_cute_tensor(own_slots, leading_dim=0, align=4),
-        )
-        stream = cute_stream()
-        kernel = compile_once(("sparse_attention_sm90", group), lambda: _compile(_kernel_class()(group), arguments, scale,
-                                                                                   stream))
-        kernel(*arguments, scale, stream)
-    return out
+        kernel = compile_once(("sparse_attention_sm90", q.shape[1], num_kv_heads),
+                              lambda: _compile_union(q.shape[1], num_kv_heads))
+    kernel(q.contiguous(), keys.view(batch * capacity, num_kv_heads, head_dim),
+           values.view(batch * capacity, num_kv_heads, head_dim), target, None, union, count, own_slots, scale)
+    if out is None or out is target:
+        return target
+    return out.copy_(target)
 
 
 def decode_splits(num_tokens: int, num_kv_heads: int, topk: int, num_sms: int) -> int:
@@ -181,10 +171,11 @@ def _compile_decode(num_heads: int, num_kv_heads: int, topk: int):
     return compile_tvm_ffi(kernel, sparse_decode_attention_arguments(num_heads, num_kv_heads, _HEAD_DIM, topk))
 
 
-def _compile(kernel, arguments, scale, stream):
-    import cutlass.cute as cute
+def _compile_union(num_heads: int, num_kv_heads: int):
+    from .kernels.signatures import sparse_attention_fake_arguments
 
-    return cute.compile(kernel, *arguments, scale, stream)
+    kernel = _kernel_class()(num_heads // num_kv_heads)
+    return compile_tvm_ffi(kernel, sparse_attention_fake_arguments(num_heads, num_kv_heads, _HEAD_DIM))
 
 
 def _kernel_class():

@@ -19,7 +19,9 @@ def _bf16_rows(tokens, num_heads: int, head_dim: int):
 
 
 def sparse_attention_fake_arguments(num_heads: int = 64, num_kv_heads: int = 4, head_dim: int = 128):
-    """Fake (compile-time) tensors for ``SparseAttentionSm90(decode=False).__call__``, in its argument order."""
+    """Fake (compile-time) tensors for ``SparseAttentionSm90(decode=False).__call__``, in its argument order
+    (compiled for TVM-FFI calls: the stream is torch's current one): the cache flattened to ``[batch * capacity,
+    kv_heads, dim]``, the page unions ``[tiles, kv_heads, width]``."""
     tokens, slots, tiles = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     q = _bf16_rows(tokens, num_heads, head_dim)
     k = _bf16_rows(slots, num_kv_heads, head_dim)
@@ -28,7 +30,7 @@ def sparse_attention_fake_arguments(num_heads: int = 64, num_kv_heads: int = 4, 
     union = make_fake_tensor(cutlass.Int32, (tiles, num_kv_heads, cute.sym_int32()), (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
     count = make_fake_tensor(cutlass.Int32, (tiles, num_kv_heads), (num_kv_heads, 1), assumed_align=4)
     own_slot = make_fake_tensor(cutlass.Int32, (tokens,), (1,), assumed_align=4)
-    return q, k, v, o, None, union, count, own_slot, cutlass.Float32(SCALE), make_fake_stream()
+    return q, k, v, o, None, union, count, own_slot, cutlass.Float32(SCALE), make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
 def sparse_decode_attention_arguments(num_heads: int = 64, num_kv_heads: int = 4, head_dim: int = 128, topk: int = 16):
