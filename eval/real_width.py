@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+from minimax_m3.bench_output import positive_ints
 
 from minimax_m3 import MiniMaxM3Cache, MiniMaxM3Config
 from minimax_m3.bench_prefill import clustered_selections
@@ -43,7 +44,6 @@ from minimax_m3.timing import timed_seconds
 from .devices import checked_device
 from .modes import attention_mode
 from .report import checked_output_path, write_json
-from .retrieval_accuracy import positive_ints
 from .timing import peak_memory_gib, release_memory, reset_peak_memory
 
 __all__ = ["release_layer_counts", "LayerPartTimer", "estimate_time_to_first_token", "experts_flops",

@@ -34,6 +34,7 @@ from dataclasses import replace
 from typing import List, Optional, Sequence
 
 import torch
+from minimax_m3.bench_output import positive_ints
 
 from .cli import TOKENIZER_FILES, add_debug_argument, checked_model, run_main
 from .devices import checked_device
@@ -46,7 +47,7 @@ from .synthetic_retrieval import TASKS, VALUE_DIGITS, RetrievalDataConfig, Retri
 
 __all__ = ["LENGTHS", "VARIANTS", "NUM_CHOICES", "make_documents", "retrieval_length_task", "encode_pair",
            "choice_loglikelihoods", "evaluate_variant", "evaluate_retrieval_accuracy", "accuracy_table",
-           "recall_table", "positive_ints", "main"]
+           "recall_table", "main"]
 
 logger = logging.getLogger(__name__)
 
@@ -375,16 +376,6 @@ def plot(result: dict, path: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- command line
-def positive_ints(text: str) -> tuple:
-    try:
-        values = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m eval.retrieval_accuracy", description=__doc__.splitlines()[0].replace("``", "`"))
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the shipped trained tiny model)")

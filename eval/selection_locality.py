@@ -17,6 +17,7 @@ import sys
 from typing import Callable, Optional, Sequence
 
 import torch
+from minimax_m3.bench_output import positive_ints
 
 from minimax_m3.sparse_attention_cute import page_unions
 
@@ -123,10 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m eval.selection_locality",
                                      description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("--model", default=None, help="checkpoint (default: the shipped trained tiny model)")
-    parser.add_argument("--lengths", type=ra.positive_ints, default=(8192, 32768),
+    parser.add_argument("--lengths", type=positive_ints, default=(8192, 32768),
                         help="comma-separated document lengths in tokens (each > 2048)")
     parser.add_argument("--documents", type=int, default=1, help="pass-key documents per length")
-    parser.add_argument("--tiles", type=ra.positive_ints, default=TILE_TOKENS, help="tile sizes in tokens")
+    parser.add_argument("--tiles", type=positive_ints, default=TILE_TOKENS, help="tile sizes in tokens")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: CUDA when available)")
     parser.add_argument("--output", default=None, help="JSON results path")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")

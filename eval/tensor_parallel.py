@@ -22,11 +22,10 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-from minimax_m3.bench_output import positive_int
+from minimax_m3.bench_output import positive_int, positive_ints
 
 from .cli import UsageError, add_debug_argument, run_main
 from .report import checked_output_path, write_json
-from .retrieval_accuracy import positive_ints
 
 __all__ = ["build_parser", "run_command", "main", "LAYOUTS", "layer_device_map"]
 

@@ -91,9 +91,9 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_ints(text: str) -> list:
-    """argparse type: comma-separated integers of at least 1."""
+def positive_ints(text: str) -> tuple:
+    """argparse type: comma-separated integers of at least 1 (the eval commands' lengths too)."""
     try:
-        return [positive_int(part) for part in text.split(",")]
+        return tuple(positive_int(part) for part in text.split(","))
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}") from None

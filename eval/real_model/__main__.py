@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+from minimax_m3.bench_output import positive_ints
 
 from ..cli import UsageError, add_debug_argument, run_main
 from ..devices import checked_device
 from ..report import checked_output_path, write_json
-from ..retrieval_accuracy import positive_ints
 
 __all__ = ["build_parser", "run_command", "main", "load_prepared", "SHIPPED_INDEXER", "prepared_for_evaluation",
            "default_indexer"]
