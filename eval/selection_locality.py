@@ -18,7 +18,6 @@ from typing import Callable, Optional, Sequence
 
 import torch
 from minimax_m3.bench_output import positive_ints
-
 from minimax_m3.sparse_attention_cute import page_unions
 
 from . import retrieval_accuracy as ra
