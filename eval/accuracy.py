@@ -356,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _retrieval_lengths(text: str):
     """``'none'`` or comma-separated positive token counts (the retrieval report's parser)."""
-    from minimax_m3.bench_output import positive_ints
+    from minimax_m3.command_line import positive_ints
 
     return text if text == "none" else positive_ints(text)
 

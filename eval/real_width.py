@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-from minimax_m3.bench_output import positive_ints
+from minimax_m3.command_line import positive_ints
 
 from minimax_m3 import MiniMaxM3Cache, MiniMaxM3Config
 from minimax_m3.bench_prefill import clustered_selections

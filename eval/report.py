@@ -6,10 +6,11 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
+
+from minimax_m3.command_line import atomic_write, check_writable_parent, checked_output_file
 
 __all__ = ["RESULTS_DIRECTORY", "default_output_path", "checked_output_path", "checked_output_directory", "format_table", "format_number",
            "NOISY_MARK", "noisy_mark", "noise_footnote", "timing_cells", "write_json", "atomic_write", "to_jsonable", "pyplot", "save_figure", "plot_throughput",
@@ -33,17 +34,10 @@ def default_output_path(kind: str) -> Path:
 def checked_output_path(output, kind: str, *, overwrite: bool, argument: str = "--output",
                         suffix: str = ".json") -> Path:
     """The results path of a command, checked before any work: ``default_output_path(kind)`` when ``output`` is
-    None; a directory, an existing file without ``overwrite`` or a parent that cannot be a directory raise
-    ``SystemExit`` naming ``argument``."""
+    None, else ``minimax_m3.command_line.checked_output_file``."""
     if output is None:
         return default_output_path(kind)
-    path = Path(output)
-    if path.is_dir():
-        raise SystemExit(f"{argument} {path} is a directory: give a file path, e.g. {path / (kind + suffix)}")
-    if path.exists() and not overwrite:
-        raise SystemExit(f"{argument} {path} exists: pass --overwrite to replace it, or choose another path")
-    _check_writable_parent(path, argument)
-    return path
+    return checked_output_file(output, overwrite=overwrite, argument=argument, example_name=kind + suffix)
 
 
 def checked_output_directory(output, argument: str = "--output") -> Path:
@@ -57,18 +51,8 @@ def checked_output_directory(output, argument: str = "--output") -> Path:
         if not os.access(path, os.W_OK | os.X_OK):
             raise SystemExit(f"{argument} {path} is not writable")
         return path
-    _check_writable_parent(path, argument)
+    check_writable_parent(path, argument)
     return path
-
-
-def _check_writable_parent(path: Path, argument: str) -> None:
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise SystemExit(f"{argument} {path}: {parent} is a file, not a directory")
-            if not os.access(parent, os.W_OK):
-                raise SystemExit(f"{argument} {path}: {parent} is not writable")
-            return
 
 
 def format_number(value, digits: int = 3) -> str:
@@ -142,25 +126,6 @@ def timing_cells(result: dict, decimals: int = 1) -> list:
             + noisy_mark(result),
             format_number(result["tokens_per_second"]["median"]), format_number(result["peak_memory_gib"]),
             "-" if result.get("speedup_vs_dense") is None else f"{result['speedup_vs_dense']:.2f}x"]
-
-
-def atomic_write(path, write) -> Path:
-    """``write(temporary_path)`` fills a temporary file next to ``path``, which then replaces ``path`` in one
-    rename: readers see the whole new file or the previous one, never a torn write, and a failure (a full disk, a
-    file-size limit, Ctrl-C) keeps what was there and leaves no temporary behind."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(handle)
-    try:
-        write(Path(temporary))
-        with open(temporary, "rb") as file:
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
-    return path
 
 
 def write_json(path, payload) -> Path:

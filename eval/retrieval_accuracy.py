@@ -34,7 +34,7 @@ from dataclasses import replace
 from typing import List, Optional, Sequence
 
 import torch
-from minimax_m3.bench_output import positive_ints
+from minimax_m3.command_line import positive_ints
 
 from .cli import TOKENIZER_FILES, add_debug_argument, checked_model, run_main
 from .devices import checked_device

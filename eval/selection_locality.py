@@ -17,7 +17,7 @@ import sys
 from typing import Callable, Optional, Sequence
 
 import torch
-from minimax_m3.bench_output import positive_ints
+from minimax_m3.command_line import positive_ints
 from minimax_m3.sparse_attention_cute import page_unions
 
 from . import retrieval_accuracy as ra

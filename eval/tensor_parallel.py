@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-from minimax_m3.bench_output import positive_int, positive_ints
+from minimax_m3.command_line import positive_int, positive_ints
 
 from .cli import UsageError, add_debug_argument, run_main
 from .report import checked_output_path, write_json

@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import torch
 
-from .bench_output import checked_device, positive_int
+from .command_line import device_argument, positive_int
 from .bench_prefill import build, geometry_config
 from .cache import MiniMaxM3StaticCache
 from .timing import median_cuda_ms
@@ -95,10 +95,10 @@ def main(argv=None) -> None:
     parser.add_argument("--mode", choices=["sparse", "dense"], default="sparse")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--tiny", action="store_true", help="the CPU-sized geometry")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--device", type=device_argument, default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--top", type=positive_int, default=25, help="kernel names to list")
     args = parser.parse_args(argv)
-    device = checked_device(parser, args.device)
+    device = args.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build(args.mode, geometry_config(args.sparse_layers, tiny=args.tiny), device, dtype)
     result = decode_step_profile(model, context=args.context, batch=args.batch, steps=args.steps,

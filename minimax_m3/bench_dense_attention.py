@@ -14,7 +14,7 @@ import argparse
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
-from .bench_output import positive_int
+from .command_line import positive_int
 from .dense_attention import sdpa_attention_forward
 from .timing import median_cuda_ms
 

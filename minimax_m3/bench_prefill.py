@@ -20,7 +20,7 @@ import sys
 import torch
 
 from . import MiniMaxM3Config, MiniMaxM3ForCausalLM
-from .bench_output import add_output_arguments, checked_output, positive_int, positive_ints, write_results
+from .command_line import add_output_arguments, checked_output_argument, positive_int, positive_ints, write_results
 from .configuration_minimax_m3 import SPARSE_ATTENTION
 from .sparse_attention import SPARSE_ATTENTION_FUNCTIONS
 from .timing import timed_seconds
@@ -311,7 +311,7 @@ def main(argv=None):
                              "batched_mm, eager; default: the model's default)")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
-    output = checked_output(parser, args.output, args.overwrite)
+    output = checked_output_argument(parser, args.output, args.overwrite)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tiny = device.type == "cpu"
     lengths = args.lengths or ([96, 200] if tiny else [8192, 32768, 131072, 262144])

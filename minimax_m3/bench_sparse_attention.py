@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from .bench_output import add_output_arguments, checked_output, positive_int, positive_ints, write_results
+from .command_line import add_output_arguments, checked_output_argument, positive_int, positive_ints, write_results
 from .bench_prefill import clustered_selection
 from .dense_attention import dense_attention
 from .timing import median_cuda_ms
@@ -72,7 +72,7 @@ def main(argv=None):
                         help="longer lengths skip FlexAttention (slow)")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
-    output = checked_output(parser, args.output, args.overwrite)
+    output = checked_output_argument(parser, args.output, args.overwrite)
     probe = torch.empty(1, HEADS, DIM, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu")
     if not cute_sparse_attention_supported(probe, probe.new_empty(1, 1, KV_HEADS, DIM), PAGE):
         sys.exit("bench_sparse_attention needs an SM90 GPU (H100/H200) with nvidia-cutlass-dsl")

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 
-__all__ = ["AUTO_MAP", "write_remote_code", "write_text_atomically"]
+from .command_line import atomic_write
+
+__all__ = ["AUTO_MAP", "write_remote_code"]
 
 AUTO_MAP = {
     "AutoConfig": "configuration_minimax_m3.MiniMaxM3Config",
@@ -30,17 +31,8 @@ _MODULES = {
 }
 
 
-def write_text_atomically(path: str, text: str) -> None:
-    """``text`` into ``path`` through a temporary file renamed into place: the whole new file or the old one."""
-    directory = os.path.dirname(path) or "."
-    handle, temporary = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(handle, "w") as out:
-            out.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
+def _write_text(path: str, text: str) -> None:
+    atomic_write(path, lambda temporary: temporary.write_text(text))
 
 
 def write_remote_code(directory: str) -> None:
@@ -49,6 +41,6 @@ def write_remote_code(directory: str) -> None:
     with open(config_path) as handle:
         config = json.load(handle)
     for name, text in _MODULES.items():
-        write_text_atomically(os.path.join(directory, name), text)
+        _write_text(os.path.join(directory, name), text)
     config["auto_map"] = dict(AUTO_MAP)
-    write_text_atomically(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    _write_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")

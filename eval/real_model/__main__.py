@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-from minimax_m3.bench_output import positive_ints
+from minimax_m3.command_line import positive_ints
 
 from ..cli import UsageError, add_debug_argument, run_main
 from ..devices import checked_device
