@@ -7,7 +7,11 @@ repeat cost 2 x 3.2 ms per dense layer for a 2K-token chunk over 128K on the H20
 * ``sdpa`` (default): ``scaled_dot_product_attention`` with ``enable_gqa``. A fresh prefill uses SDPA's own causal
   mode; new tokens over a cached prefix use a bottom-right causal bias (no mask tensor on CUDA: SDPA's flash kernel
   aligns it); a single new token attends to everything without a mask. A decode step of every sequence on CUDA
-  (one token each, fp16/bf16) runs flash-decoding instead (``decode_attention``).
+  (one token each, fp16/bf16) runs flash-decoding instead (``decode_attention``). A chunk of new tokens over a
+  long cached prefix on CUDA (inference, fp16/bf16, a wave of query tiles) runs the prefix's whole blocks of
+  ``PREFIX_KEY_BLOCK`` keys through cuDNN and the rest through FlashAttention-2, merged by their log-sum-exps
+  (``split_prefix_attention``): cuDNN runs at about twice FlashAttention-2's rate on Hopper, and fixed-size blocks
+  let it build one plan for every prefix length (a plan costs about 40 ms of host time; docs/PERFORMANCE.md).
 * ``eager``: the explicit softmax in fp32, grouped by KV head (the reference).
 * A function a user registers with ``transformers.AttentionInterface.register(name, fn)`` is called with
   transformers' signature: ``query [1, H, q, D]``, ``key`` / ``value [1, KV, kv, D]`` (not repeated), and for new
@@ -27,10 +31,12 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 
 from .decode_attention import flash_decode, flash_decode_supported
+from .split_kv import merge_split_outputs
 
 __all__ = ["ALL_ATTENTION_FUNCTIONS", "SERVED", "check_served", "dense_attention", "decode_step_attention",
            "eager_attention_forward",
-           "sdpa_attention_forward", "is_same_length_fresh_prefill"]
+           "sdpa_attention_forward", "is_same_length_fresh_prefill", "split_prefix_attention", "split_prefix_serves",
+           "PREFIX_KEY_BLOCK"]
 
 _MASK_ELEMENTS = 1 << 24
 SERVED = ("sdpa", "eager")
@@ -61,6 +67,8 @@ def sdpa_attention_forward(module, query, key, value, attention_mask, dropout: f
         mask, causal = None, False  # one query at the end sees every key
     elif q_length == kv_length:
         mask, causal = None, True
+    elif split_prefix_serves(query, key, dropout):
+        return split_prefix_attention(query, key, value, scaling), None
     elif query.is_cuda:
         mask, causal = causal_lower_right(q_length, kv_length), False
     else:
@@ -68,6 +76,57 @@ def sdpa_attention_forward(module, query, key, value, attention_mask, dropout: f
     output = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scaling, enable_gqa=gqa)
     return output.transpose(1, 2), None
+
+
+PREFIX_KEY_BLOCK = 16384
+"""Keys per cuDNN call over a cached prefix: every call has one shape, so cuDNN builds its plan once."""
+_CUDNN_QUERY_TILE = 128
+
+
+def split_prefix_serves(query, key, dropout: float) -> bool:
+    """Whether ``split_prefix_attention`` serves new tokens over a cached prefix: CUDA inference in fp16/bf16 with
+    cuDNN's and flash SDPA enabled, head dims both take, no dropout, at least one whole key block before the new
+    tokens, and a query tile (128 queries of one head) for every SM. cuDNN does not split the keys, so fewer tiles
+    leave SMs idle: 16 tokens over 128K (64 tiles) took 1.9 ms against FlashAttention-2's 1.0 ms
+    (docs/PERFORMANCE.md)."""
+    batch, heads, q_length, head_dim = query.shape
+    if not query.is_cuda or key.shape[2] - q_length < PREFIX_KEY_BLOCK:
+        return False
+    tiles = batch * heads * -(-q_length // _CUDNN_QUERY_TILE)
+    return (tiles >= torch.cuda.get_device_properties(query.device).multi_processor_count
+            and query.dtype in (torch.float16, torch.bfloat16) and key.dtype == query.dtype
+            and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad))
+            and not dropout and head_dim % 8 == 0 and head_dim <= 128
+            and torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()
+            and torch.backends.cuda.flash_sdp_enabled())
+
+
+def split_prefix_attention(query, key, value, scaling):
+    """Bottom-right causal attention of ``query [B, H, q, D]`` over ``key`` / ``value [B, KV, kv, D]`` (kv - q >=
+    ``PREFIX_KEY_BLOCK``), ``[B, q, H, D]``: the prefix's whole blocks of ``PREFIX_KEY_BLOCK`` keys by cuDNN without
+    a mask (queries padded to whole tiles, so chunk lengths share plans too), the keys after them, the new tokens'
+    own included, by FlashAttention-2 with its bottom-right causal mask, each with its log-sum-exp, merged per row."""
+    batch, heads, q_length, head_dim = query.shape
+    blocks = (key.shape[2] - q_length) // PREFIX_KEY_BLOCK
+    padded_length = -(-q_length // _CUDNN_QUERY_TILE) * _CUDNN_QUERY_TILE
+    padded = query
+    if padded_length != q_length:
+        padded = torch.nn.functional.pad(query.transpose(1, 2), (0, 0, 0, 0, 0, padded_length - q_length)).transpose(1, 2)
+    outputs, lses = [], []
+    for block in range(blocks):
+        keys = slice(block * PREFIX_KEY_BLOCK, (block + 1) * PREFIX_KEY_BLOCK)
+        output, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            padded, key[:, :, keys], value[:, :, keys], None, True, 0.0, False, False, scale=scaling)[:2]
+        outputs.append(output[:, :, :q_length])
+        lses.append(lse.reshape(batch, heads, padded_length)[:, :, :q_length])
+    rest = slice(blocks * PREFIX_KEY_BLOCK, None)
+    output, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+        query, key[:, :, rest], value[:, :, rest], 0.0, True, False, scale=scaling)[:2]  # causal: bottom-right
+    outputs.append(output)
+    lses.append(lse)
+    partial = torch.stack([output.transpose(1, 2).reshape(batch * q_length, heads, head_dim) for output in outputs], 1)
+    lse = torch.stack([lse.transpose(1, 2).reshape(batch * q_length, heads) for lse in lses], 1)
+    return merge_split_outputs(partial, lse, query.dtype).view(batch, q_length, heads, head_dim)
 
 
 def _chunked_masked_sdpa(query, key, value, scaling, gqa):
