@@ -7,6 +7,7 @@ from the positional cache ``[batch, capacity, num_kv_heads, head_dim]``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional
 
@@ -347,12 +348,13 @@ SPARSE_ATTENTION_FUNCTIONS: Dict[str, Callable] = {"reference": sparse_attention
 
 FLEX_MIN_PAGE_SIZE = 128
 """Compiled FlexAttention tiles KV blocks by up to 128 keys; smaller pages go to the reference."""
+_FLEX_ROW_TILE = 128
 
 
 def get_sparse_attention_function(name: str, device: Optional[torch.device] = None, page_size: int = 128) -> Callable:
     """A sparse attention function by name. ``"auto"`` dispatches per call: the SM90 CuTe kernel where it serves the
     geometry (bf16, pages and heads of 128, an H100/H200), else FlexAttention on CUDA for pages of a multiple of 128
-    keys, else the reference. All compute the same exact attention; only the speed (and bf16 rounding) differs."""
+    keys and query heads per KV group dividing 128, else the reference. All compute the same exact attention; only the speed (and bf16 rounding) differs."""
     if name == "auto":
         return sparse_attention_auto
     if name not in SPARSE_ATTENTION_FUNCTIONS:
@@ -367,8 +369,11 @@ def resolve_auto_implementation(q: torch.Tensor, keys: torch.Tensor, page_size: 
     needs_gradients = torch.is_grad_enabled() and any(t.requires_grad for t in (q, keys, values))
     if cute_sparse_attention_supported(q, keys, page_size) and not needs_gradients:  # forward-only kernel
         return "cute"
-    if q.device.type == "cuda" and page_size % FLEX_MIN_PAGE_SIZE == 0:
+    group = q.shape[1] // keys.shape[2]
+    if q.device.type == "cuda" and page_size % FLEX_MIN_PAGE_SIZE == 0 and _FLEX_ROW_TILE % group == 0:
         return "flex"
+    # groups that do not divide FlexAttention's 128-row tile (3 query heads per KV group in the converted SmolLM2)
+    # need query blocks of several tiles, which have not matched the reference on the GPU yet
     return "reference"
 
 
@@ -380,14 +385,15 @@ def sparse_attention_auto(q, keys, values, selection, metadata: ForwardMetadata,
 
 
 def sparse_attention_flex(q, keys, values, selection, metadata: ForwardMetadata, *, scale: float,
-                          page_size: int, query_block: int = 128) -> torch.Tensor:
+                          page_size: int, query_block: Optional[int] = None) -> torch.Tensor:
     """The same attention as ``sparse_attention_reference`` through FlexAttention, whose cost follows the
     selected pages.
 
     The query heads of a KV group are packed into the query sequence (row ``t * group + r`` is token ``t``, head
-    ``r`` of the group), so FlexAttention runs with one "head" per KV group and a 128-row query block holds
-    ``128 / group`` tokens (8 at M3's 16 heads per group): the block's KV blocks are the union of few tokens'
-    selections. A page selected by every token of the block and entirely before its first position is a *full*
+    ``r`` of the group), so FlexAttention runs with one "head" per KV group and a query block of ``query_block``
+    rows (default: the least multiple of 128, FlexAttention's row tile, and of ``group``) holds ``query_block /
+    group`` tokens (8 at M3's 16 heads per group, 128 at the converted SmolLM2's 3): the block's KV blocks are the
+    union of its tokens' selections. A page selected by every token of the block and entirely before its first position is a *full*
     block (no ``mask_mod``); the other selected pages are partial blocks, masked per token by a bit set of its
     selected pages and the causal bound.
     """
@@ -396,6 +402,8 @@ def sparse_attention_flex(q, keys, values, selection, metadata: ForwardMetadata,
     output = torch.empty_like(q)
     num_heads, num_kv_heads = q.shape[1], keys.shape[2]
     group = num_heads // num_kv_heads
+    if query_block is None:
+        query_block = math.lcm(_FLEX_ROW_TILE, group)
     if query_block % group:
         raise ValueError(f"query_block ({query_block}) must be a multiple of the query heads per KV group ({group})")
     tokens_per_block = query_block // group

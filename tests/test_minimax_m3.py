@@ -467,6 +467,33 @@ def test_flex_full_and_partial_blocks_match_the_reference(shared_selection):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_flex_serves_groups_that_do_not_divide_its_row_tile():
+    """3 query heads per KV group (the converted SmolLM2): the default query block is 384 rows, 128 tokens."""
+    from minimax_m3.sparse_attention import ForwardMetadata, sparse_attention_flex, sparse_attention_reference
+
+    torch.manual_seed(6)
+    tokens, past, heads, kv_heads, dim, page = 150, 64, 9, 3, 16, 8
+    kv = past + tokens
+    q, keys, values = torch.randn(tokens, heads, dim), torch.randn(1, kv, kv_heads, dim), torch.randn(1, kv, kv_heads, dim)
+    positions = torch.arange(past, kv)
+    selection = torch.full((tokens, kv_heads, 4), -1, dtype=torch.int32)
+    for t in range(tokens):
+        local = int(positions[t]) // page
+        for g in range(kv_heads):
+            history = torch.randperm(local, generator=torch.Generator().manual_seed(t * 7 + g))[:3].sort().values
+            selection[t, g, :history.numel()] = history.int()
+            selection[t, g, 3] = local
+    metadata = ForwardMetadata(torch.zeros(tokens, dtype=torch.long), positions, [tokens], [kv], [0])
+    with torch.no_grad():
+        expected = sparse_attention_reference(q, keys, values, selection, metadata, scale=0.25, page_size=page)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = sparse_attention_flex(q, keys, values, selection, metadata, scale=0.25, page_size=page)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_beam_search_with_the_cache_equals_without():
     model = tiny_model()
     ids = torch.randint(3, 97, (1, 20))
