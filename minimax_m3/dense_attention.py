@@ -31,7 +31,7 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 
 from .decode_attention import flash_decode, flash_decode_supported
-from .split_kv import merge_split_outputs
+from .split_kv import merge_two_splits
 
 __all__ = ["ALL_ATTENTION_FUNCTIONS", "SERVED", "check_served", "dense_attention", "decode_step_attention",
            "eager_attention_forward",
@@ -101,32 +101,41 @@ def split_prefix_serves(query, key, dropout: float) -> bool:
             and torch.backends.cuda.flash_sdp_enabled())
 
 
-def split_prefix_attention(query, key, value, scaling):
+def _cudnn_attention(query, key, value, scaling):
+    """cuDNN's flash attention without a mask: ``([B, H, q, D], natural log-sum-exp [B, H, q])``."""
+    output, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        query, key, value, None, True, 0.0, False, False, scale=scaling)[:2]
+    return output, lse.reshape(lse.shape[:3])
+
+
+def _flash_bottom_right_attention(query, key, value, scaling):
+    """FlashAttention-2 with its causal mask, which aligns the queries with the last keys: ``([B, H, q, D],
+    natural log-sum-exp [B, H, q])``."""
+    return tuple(torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, True, False,
+                                                                     scale=scaling)[:2])
+
+
+def split_prefix_attention(query, key, value, scaling, *, key_block: int = PREFIX_KEY_BLOCK,
+                           prefix_attention=_cudnn_attention, causal_attention=_flash_bottom_right_attention):
     """Bottom-right causal attention of ``query [B, H, q, D]`` over ``key`` / ``value [B, KV, kv, D]`` (kv - q >=
-    ``PREFIX_KEY_BLOCK``), ``[B, q, H, D]``: the prefix's whole blocks of ``PREFIX_KEY_BLOCK`` keys by cuDNN without
-    a mask (queries padded to whole tiles, so chunk lengths share plans too), the keys after them, the new tokens'
-    own included, by FlashAttention-2 with its bottom-right causal mask, each with its log-sum-exp, merged per row."""
+    ``key_block``), ``[B, q, H, D]``: the prefix's whole blocks of ``key_block`` keys by ``prefix_attention`` without
+    a mask (cuDNN; queries padded to whole tiles, so chunk lengths share plans too), the keys after them, the new
+    tokens' own included, by ``causal_attention`` (FlashAttention-2, bottom-right causal), each with its
+    log-sum-exp, merged into a running fp32 result one block at a time: memory for two blocks' outputs, whatever
+    the prefix length and the chunk."""
     batch, heads, q_length, head_dim = query.shape
-    blocks = (key.shape[2] - q_length) // PREFIX_KEY_BLOCK
+    blocks = (key.shape[2] - q_length) // key_block
     padded_length = -(-q_length // _CUDNN_QUERY_TILE) * _CUDNN_QUERY_TILE
     padded = query
     if padded_length != q_length:
         padded = torch.nn.functional.pad(query.transpose(1, 2), (0, 0, 0, 0, 0, padded_length - q_length)).transpose(1, 2)
-    outputs, lses = [], []
+    rest = slice(blocks * key_block, None)
+    output, lse = causal_attention(query, key[:, :, rest], value[:, :, rest], scaling)
     for block in range(blocks):
-        keys = slice(block * PREFIX_KEY_BLOCK, (block + 1) * PREFIX_KEY_BLOCK)
-        output, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            padded, key[:, :, keys], value[:, :, keys], None, True, 0.0, False, False, scale=scaling)[:2]
-        outputs.append(output[:, :, :q_length])
-        lses.append(lse.reshape(batch, heads, padded_length)[:, :, :q_length])
-    rest = slice(blocks * PREFIX_KEY_BLOCK, None)
-    output, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-        query, key[:, :, rest], value[:, :, rest], 0.0, True, False, scale=scaling)[:2]  # causal: bottom-right
-    outputs.append(output)
-    lses.append(lse)
-    partial = torch.stack([output.transpose(1, 2).reshape(batch * q_length, heads, head_dim) for output in outputs], 1)
-    lse = torch.stack([lse.transpose(1, 2).reshape(batch * q_length, heads) for lse in lses], 1)
-    return merge_split_outputs(partial, lse, query.dtype).view(batch, q_length, heads, head_dim)
+        keys = slice(block * key_block, (block + 1) * key_block)
+        block_output, block_lse = prefix_attention(padded, key[:, :, keys], value[:, :, keys], scaling)
+        output, lse = merge_two_splits(output, lse, block_output[:, :, :q_length], block_lse[:, :, :q_length])
+    return output.to(query.dtype).transpose(1, 2)
 
 
 def _chunked_masked_sdpa(query, key, value, scaling, gqa):

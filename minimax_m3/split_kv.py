@@ -8,7 +8,7 @@ import torch
 
 from .fusion import compiled, fuse
 
-__all__ = ["merge_split_outputs"]
+__all__ = ["merge_split_outputs", "merge_two_splits"]
 
 
 def _merge(partial: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, valid=None) -> torch.Tensor:
@@ -30,3 +30,22 @@ def merge_split_outputs(partial: torch.Tensor, lse: torch.Tensor, dtype: torch.d
     zero marks more such splits, e.g. their key counts) -> ``[N, *heads, D]`` in ``dtype``, fp32 math (compiled on CUDA)."""
     merge = compiled("merge_split_outputs", _merge) if fuse(partial) else _merge
     return merge(partial, lse, dtype, valid)
+
+
+def _merge_two(output, lse, other, other_lse):
+    lse, other_lse = lse.float(), other_lse.float()
+    top = torch.maximum(lse, other_lse)
+    top = torch.where(top == float("-inf"), 0.0, top)
+    weight, other_weight = torch.exp(lse - top), torch.exp(other_lse - top)
+    total = weight + other_weight
+    merged = (output.float() * weight[..., None] + other.float() * other_weight[..., None]) / torch.where(
+        total > 0, total, 1.0)[..., None]
+    return merged, top + torch.log(total)
+
+
+def merge_two_splits(output: torch.Tensor, lse: torch.Tensor, other: torch.Tensor, other_lse: torch.Tensor):
+    """Two splits of the same rows' keys, each ``[*rows, D]`` normalised over its split with its natural log-sum-exp
+    ``[*rows]`` (any float dtypes and strides): ``(rows normalised over both, their log-sum-exp)`` in fp32. Merging
+    the splits one at a time into a running pair keeps two splits in memory, not all of them (compiled on CUDA)."""
+    merge = compiled("merge_two_splits", _merge_two) if fuse(other) else _merge_two
+    return merge(output, lse, other, other_lse)

@@ -113,3 +113,37 @@ def test_attention_implementations_the_model_cannot_serve_raise(implementation):
     with pytest.raises((ValueError, ImportError, KeyError)):
         model.set_attn_implementation(implementation)
     assert model.config._attn_implementation == "sdpa"
+
+
+def _math_attention(causal):
+    """What the split-prefix path asks of cuDNN (no mask) and of FlashAttention-2 (bottom-right causal), in fp32
+    on the CPU: ``([B, H, q, D], natural log-sum-exp [B, H, q])``, GQA by grouping the query heads."""
+    def attend(query, key, value, scaling):
+        batch, heads, q_length, dim = query.shape
+        kv_heads, kv_length = key.shape[1], key.shape[2]
+        grouped = query.float().view(batch, kv_heads, heads // kv_heads, q_length, dim)
+        logits = torch.einsum("bgrqd,bgkd->bgrqk", grouped, key.float()) * scaling
+        if causal:
+            positions = torch.arange(kv_length - q_length, kv_length)
+            logits = logits.masked_fill(torch.arange(kv_length)[None, :] > positions[:, None], float("-inf"))
+        output = torch.einsum("bgrqk,bgkd->bgrqd", torch.softmax(logits, -1), value.float())
+        return (output.reshape(batch, heads, q_length, dim).to(query.dtype),
+                torch.logsumexp(logits, -1).reshape(batch, heads, q_length))
+    return attend
+
+
+@pytest.mark.parametrize("q_length, kv_length, key_block", [(5, 5 + 3 * 16 + 7, 16), (130, 130 + 2 * 32, 32),
+                                                            (3, 3 + 16, 16)])
+def test_the_split_prefix_path_equals_one_causal_softmax(q_length, kv_length, key_block):
+    """Whole key blocks without a mask, the rest bottom-right causal, merged one block at a time (CPU stand-ins
+    for the CUDA kernels; the queries are padded to whole 128-query tiles for the block calls)."""
+    from minimax_m3.dense_attention import eager_attention_forward, split_prefix_attention
+
+    generator = torch.Generator().manual_seed(kv_length)
+    query = torch.randn(2, 6, q_length, 8, generator=generator) * 2
+    key, value = torch.randn(2, 3, kv_length, 8, generator=generator), torch.randn(2, 3, kv_length, 8, generator=generator)
+    got = split_prefix_attention(query, key, value, 0.3, key_block=key_block, prefix_attention=_math_attention(False),
+                                 causal_attention=_math_attention(True))
+    expected, _ = eager_attention_forward(None, query, key, value, None, scaling=0.3, is_causal=True)
+    assert got.shape == (2, q_length, 6, 8)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

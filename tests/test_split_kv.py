@@ -74,3 +74,19 @@ def test_the_decode_path_names_a_bad_selection_or_own_slots_before_any_launch():
         sparse_decode_attention_cute(q, keys, keys, torch.zeros(3, 4, 16, dtype=torch.int32), slots.long(), scale=0.1)
     with pytest.raises(ValueError, match="own_slots must be int32"):
         sparse_decode_attention_cute(q, keys, keys, torch.zeros(3, 4, 16, dtype=torch.int32), slots[:2], scale=0.1)
+
+
+def test_merging_splits_one_at_a_time_equals_one_softmax_over_every_key():
+    from minimax_m3.split_kv import merge_two_splits
+
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 5, 64, generator=generator, dtype=torch.float64) * 4
+    values = torch.randn(3, 64, 8, generator=generator, dtype=torch.float64)
+    partial, lse = _split_rows(logits, values, [0, 5, 5, 30, 64])  # one split without keys
+    output, running = partial[:, 0], lse[:, 0]
+    for split in range(1, partial.shape[1]):
+        output, running = merge_two_splits(output, running, partial[:, split], lse[:, split])
+    expected = torch.einsum("nhk,nkd->nhd", torch.softmax(logits, -1), values)
+    assert output.dtype == torch.float32
+    torch.testing.assert_close(output.double(), expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(running.double(), torch.logsumexp(logits, -1), atol=1e-6, rtol=1e-6)
