@@ -5,11 +5,9 @@ its distillation step runs there."""
 import pytest
 import torch
 
-from eval.layer_inputs import capture_sparse_layer_inputs, single_pass
 from eval.real_model.distill import DistillationPlan, IndexerDistiller
-from indexer import differentiable_page_scores
-from indexer.contract import QUANT_LEVELS
 from minimax_m3.from_llama import convert_llama
+from selection_ties import selection_differences
 from test_minimax_m3_from_llama import random_llama
 
 pytestmark = pytest.mark.gpu
@@ -26,40 +24,6 @@ def converted():
                          index_block_size=128, index_topk_blocks=16, index_dtype="float32")
 
 
-def _rows_that_differ_beyond_ties(model, ids, got_selections, expected_selections):
-    """Per sparse layer, the token indices whose page sets differ between the two runs, and how many of them are no
-    tie: a row may differ only where the swapped pages' exact scores lie within two of the row's 16-bit
-    quantisation levels of each other (the devices round the index scores differently, and the top-k ranks
-    quantised scores)."""
-    with capture_sparse_layer_inputs(model) as captured, torch.no_grad():
-        model.model(input_ids=ids, use_cache=False)
-    config = model.config
-    differing, not_ties = [], 0
-    for layer_input, got_layer, expected_layer in zip(single_pass(model, captured), got_selections, expected_selections):
-        attention = layer_input.attention
-        with torch.no_grad():
-            index_q, index_k = attention.index_query_key(layer_input.x, layer_input.cos, layer_input.sin,
-                                                         index_dtype=config.index_dtype)
-        (sequence, tokens, positions), = layer_input.sequences()
-        scores = differentiable_page_scores(index_q[tokens], index_k[tokens], positions, page_size=config.index_block_size)
-        got, expected = got_layer[sequence].cpu(), expected_layer[sequence]
-        rows = (got.sort(-1).values != expected.sort(-1).values).any(-1).any(-1).nonzero().flatten().tolist()
-        differing.append(rows)
-        for t in rows:
-            local = int(positions[t]) // config.index_block_size
-            for g in range(got.shape[1]):
-                a = {int(p) for p in got[t, g] if p >= 0}
-                b = {int(p) for p in expected[t, g] if p >= 0}
-                if a == b:
-                    continue
-                history = scores[t, g, :local].float()
-                level = float(history.max() - history.min()) / QUANT_LEVELS
-                kth = float(scores[t, g, sorted(b - {local})].min())
-                if any(abs(float(scores[t, g, p]) - kth) > 2 * level + 1e-6 for p in a ^ b):
-                    not_ties += 1
-    return differing, not_ties
-
-
 def test_the_converted_geometry_on_cuda_gives_the_cpu_logits_and_pages(converted):
     ids = torch.randint(3, 301, (1, 2600), generator=torch.Generator().manual_seed(0))  # 21 pages: some dropped
     with torch.no_grad():
@@ -68,12 +32,14 @@ def test_the_converted_geometry_on_cuda_gives_the_cpu_logits_and_pages(converted
         got = model(ids.cuda(), output_page_selections=True)
         assert model.model.page_selector.indexer_backends() == {"torch"}
         converted.cpu()
-    differing, not_ties = _rows_that_differ_beyond_ties(converted, ids, got.page_selections, expected.page_selections)
-    assert not_ties == 0, differing
+    differences = selection_differences(converted, ids, torch.ones_like(ids), got.page_selections,
+                                        expected.page_selections)
+    assert differences["not_ties"] == 0, differences
     # a row whose pages differ in one layer changes that row's keys and values in every later layer, so every
     # later row too: the logits are compared on the rows before the first such row (fp32 on both devices; the
     # tolerance covers the devices' different summation orders over 4 layers, logits of up to about 24)
-    first = min([rows[0] for rows in differing if rows] + [ids.shape[1]])
+    first = differences["first_different"][0]
+    first = ids.shape[1] if first is None else first
     assert first >= 2048  # below, every row reads every page: nothing can differ
     torch.testing.assert_close(got.logits[:, :first].cpu(), expected.logits[:, :first], atol=1e-3, rtol=1e-4)
 
