@@ -5,7 +5,9 @@ sparse layers, tiny MoE, random weights; ``--tiny`` for the CPU-sized one) decod
 ``--batch`` sequences after a ``--context``-token context written into a static cache as random keys, values and
 index keys (``fill_random_context``: a step's work does not depend on how the context got there). With CUDA graphs
 (default on CUDA, as ``generate`` runs) or ``--eager``. Prints the median step time (CUDA events; host clock on CPU)
-and the torch profiler's kernels per step, grouped by name: how many, and their time.
+and the torch profiler's kernels per step, grouped by name: how many, and their time. ``--eager --by-operator``
+groups the device time by operator and input shapes instead, which tells GEMMs of different shapes apart (a graph
+replay records no operators).
 """
 
 from __future__ import annotations
@@ -39,8 +41,11 @@ def fill_random_context(model, cache: MiniMaxM3StaticCache, prompt: torch.Tensor
     cache.columns_seen = length
 
 
-def decode_step_profile(model, *, context: int, batch: int, steps: int, graphs: bool) -> dict:
-    """Median seconds per step and the profiled kernels (CUDA) or operators (CPU) per step."""
+def decode_step_profile(model, *, context: int, batch: int, steps: int, graphs: bool, by_operator: bool = False) -> dict:
+    """Median seconds per step and the profiled kernels (CUDA) or operators (CPU) per step; ``by_operator``: per
+    (operator, input shapes) instead, with the device time of the kernels each launched itself (CUDA, eager)."""
+    if by_operator and graphs:
+        raise ValueError("by_operator needs eager steps (graphs=False): a graph replay records no operators")
     device = model.get_input_embeddings().weight.device
     generator = torch.Generator(device=device).manual_seed(0)
     prompt = torch.randint(3, model.config.vocab_size, (batch, 1), device=device, generator=generator)
@@ -67,13 +72,20 @@ def decode_step_profile(model, *, context: int, batch: int, steps: int, graphs: 
             seconds.append(time.perf_counter() - began)
         median_seconds = statistics.median(seconds)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with torch.profiler.profile(activities=activities) as profile:
+    with torch.profiler.profile(activities=activities, record_shapes=by_operator) as profile:
         for _ in range(steps):
             step()
         if cuda:
             torch.cuda.synchronize()
     kernels = defaultdict(lambda: [0, 0.0])  # name -> [count, microseconds]
-    for event in profile.events():
+    if by_operator:
+        for entry in profile.key_averages(group_by_input_shape=True):
+            micros = entry.self_device_time_total if cuda else entry.self_cpu_time_total
+            if micros > 0 and entry.key.startswith("aten::"):
+                name = f"{entry.key} {entry.input_shapes}"
+                kernels[name][0] += entry.count
+                kernels[name][1] += micros
+    for event in ([] if by_operator else profile.events()):
         on_device = event.device_type == torch.autograd.DeviceType.CUDA
         if cuda and not on_device:
             continue
@@ -94,24 +106,28 @@ def main(argv=None) -> None:
     parser.add_argument("--sparse-layers", type=positive_int, default=3)
     parser.add_argument("--mode", choices=["sparse", "dense"], default="sparse")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--by-operator", action="store_true",
+                        help="with --eager: device time per operator and input shapes instead of per kernel name")
     parser.add_argument("--tiny", action="store_true", help="the CPU-sized geometry")
     parser.add_argument("--device", type=device_argument, default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--top", type=positive_int, default=25, help="kernel names to list")
     args = parser.parse_args(argv)
+    if args.by_operator and not args.eager:
+        parser.error("--by-operator needs --eager: a CUDA graph replay records no operators")
     device = args.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build(args.mode, geometry_config(args.sparse_layers, tiny=args.tiny), device, dtype)
     result = decode_step_profile(model, context=args.context, batch=args.batch, steps=args.steps,
-                                 graphs=not args.eager)
+                                 graphs=not args.eager, by_operator=args.by_operator)
     rows = sorted(result["per_step"].items(), key=lambda item: -item[1][1])
-    unit = "kernels" if device.type == "cuda" else "operators"
+    unit = "kernels" if device.type == "cuda" and not args.by_operator else "operators"
     print(f"{args.mode}, context {args.context:,}, batch {args.batch}, {'graphs' if not args.eager else 'eager'} on "
           f"{device}: {result['seconds'] * 1e3:.3f} ms per step (median of {args.steps}); "
           f"{sum(c for c, _ in result['per_step'].values()):.0f} {unit} and "
           f"{sum(t for _, t in result['per_step'].values()):,.0f} us of them per step")
     print(f"| {unit[:-1]} | per step | us per step |\n|---|---|---|")
     for name, (count, micros) in rows[: args.top]:
-        print(f"| {name[:90]} | {count:g} | {micros:,.1f} |")
+        print(f"| {name[:150 if args.by_operator else 90]} | {count:g} | {micros:,.1f} |")
 
 
 if __name__ == "__main__":

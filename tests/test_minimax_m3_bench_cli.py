@@ -64,6 +64,20 @@ def test_bench_decode_refuses_an_unknown_device(capsys, no_work):
     assert "expected auto, cpu, cuda or cuda:N" in refused(bench_decode.main, ["--tiny", "--device", "tpu"], capsys)
 
 
+def test_bench_decode_by_operator_needs_eager_steps(capsys, no_work):
+    assert "--by-operator needs --eager" in refused(bench_decode.main, ["--tiny", "--by-operator"], capsys)
+
+
+def test_bench_decode_by_operator_groups_time_by_operator_and_shapes():
+    from minimax_m3.bench_prefill import build, geometry_config
+
+    model = build("sparse", geometry_config(1, tiny=True), torch.device("cpu"), torch.float32)
+    result = bench_decode.decode_step_profile(model, context=200, batch=2, steps=1, graphs=False, by_operator=True)
+    names = list(result["per_step"])
+    assert names and all(name.startswith("aten::") and "[[" in name for name in names)
+    assert any(name.startswith("aten::mm [[2, ") or name.startswith("aten::addmm") for name in names)
+
+
 def test_bench_prefill_overwrite_replaces_the_output_atomically(tmp_path, monkeypatch, capsys):
     def fake_model(mode, config, length, device, dtype, repeats, experts_implementation=None):
         return dict(mode=mode, length=length, seconds=0.5, tokens_per_second=length / 0.5, peak_gib=1.0,
