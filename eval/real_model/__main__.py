@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 SHIPPED_INDEXER = Path(__file__).resolve().parent.parent / "models" / "smollm2-135m-indexer64" / "indexer.safetensors"
-"""The trained indexer of the index-head-64 conversion, shipped with the package once it has been distilled."""
+"""Where the trained indexer of the index-head-64 conversion goes: its bytes live on the branch
+``smollm2-indexer64-weights`` (``eval/models/smollm2-135m-indexer64/README.md``), out of the main tree."""
 
 
 def default_indexer(index_head_dim: int = 64) -> Path:
@@ -198,7 +199,8 @@ def run_evaluate(args) -> dict:
                                                               argument="--plot", suffix=".png")
     indexer = Path(args.indexer) if args.indexer else default_indexer(args.index_head_dim)
     if not indexer.is_file():
-        raise UsageError(f"--indexer {indexer} does not exist: run python -m eval.real_model distill first")
+        raise UsageError(f"--indexer {indexer} does not exist: run python -m eval.real_model distill first, or put "
+                         f"the trained one in place (eval/models/smollm2-135m-indexer64/README.md)")
     device = checked_device(args.device)
     directory = _model_dir(args)
     if args.lm_eval:
