@@ -61,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = common(commands.add_parser("evaluate", help="dense vs sparse variants on the held-out books"))
     evaluate.add_argument("--indexer", default=None,
-                          help="the trained indexer (indexer.safetensors; default: distill's default output, else the "
-                               "shipped one)")
+                          help="the trained indexer (indexer.safetensors; default: distill's default output, else "
+                               "eval/models/smollm2-135m-indexer64/indexer.safetensors)")
     evaluate.add_argument("--lengths", type=positive_ints, default=(2048, 4096, 8192))
     evaluate.add_argument("--windows", type=int, default=24, help="perplexity windows per length (24)")
     evaluate.add_argument("--documents", type=int, default=32, help="pass-key and continuation documents per length")
@@ -83,7 +83,7 @@ SHIPPED_INDEXER = Path(__file__).resolve().parent.parent / "models" / "smollm2-1
 
 def default_indexer(index_head_dim: int = 64) -> Path:
     """The trained indexer ``evaluate`` uses without ``--indexer``: this checkout's own distillation when there is
-    one, else the shipped one (index head 64)."""
+    one, else ``SHIPPED_INDEXER`` (index head 64; present once put in place from its branch)."""
     distilled = _default_distill_output(index_head_dim) / "indexer.safetensors"
     if distilled.is_file() or index_head_dim != 64:
         return distilled
