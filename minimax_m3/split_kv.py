@@ -11,7 +11,8 @@ from .fusion import compiled, fuse
 __all__ = ["merge_split_outputs", "merge_two_splits"]
 
 
-def _merge(partial: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, valid=None) -> torch.Tensor:
+def _merge(partial: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, valid=None):
+    """The merged rows in ``dtype`` and their log-sum-exp over every split (fp32; ``-inf`` for a row no split saw)."""
     lse = lse.float()
     if valid is not None:
         lse = torch.where(valid.view(*valid.shape, *([1] * (lse.dim() - 2))) > 0, lse, float("-inf"))
@@ -20,7 +21,7 @@ def _merge(partial: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, valid=N
     weights = torch.exp(lse - top)  # [N, S, H]
     total = weights.sum(1)
     merged = (partial.float() * weights[..., None]).sum(1)
-    return (merged / torch.where(total > 0, total, 1.0)[..., None]).to(dtype)
+    return (merged / torch.where(total > 0, total, 1.0)[..., None]).to(dtype), top[:, 0] + torch.log(total)
 
 
 def merge_split_outputs(partial: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype,
@@ -29,18 +30,11 @@ def merge_split_outputs(partial: torch.Tensor, lse: torch.Tensor, dtype: torch.d
     ``lse [N, S, *heads]`` (natural log-sum-exp per split row, ``-inf`` for a split without keys; ``valid [N, S]``
     zero marks more such splits, e.g. their key counts) -> ``[N, *heads, D]`` in ``dtype``, fp32 math (compiled on CUDA)."""
     merge = compiled("merge_split_outputs", _merge) if fuse(partial) else _merge
-    return merge(partial, lse, dtype, valid)
+    return merge(partial, lse, dtype, valid)[0]
 
 
 def _merge_two(output, lse, other, other_lse):
-    lse, other_lse = lse.float(), other_lse.float()
-    top = torch.maximum(lse, other_lse)
-    top = torch.where(top == float("-inf"), 0.0, top)
-    weight, other_weight = torch.exp(lse - top), torch.exp(other_lse - top)
-    total = weight + other_weight
-    merged = (output.float() * weight[..., None] + other.float() * other_weight[..., None]) / torch.where(
-        total > 0, total, 1.0)[..., None]
-    return merged, top + torch.log(total)
+    return _merge(torch.stack([output.float(), other.float()], 1), torch.stack([lse, other_lse], 1), torch.float32)
 
 
 def merge_two_splits(output: torch.Tensor, lse: torch.Tensor, other: torch.Tensor, other_lse: torch.Tensor):
