@@ -354,7 +354,7 @@ _FLEX_ROW_TILE = 128
 def get_sparse_attention_function(name: str, device: Optional[torch.device] = None, page_size: int = 128) -> Callable:
     """A sparse attention function by name. ``"auto"`` dispatches per call: the SM90 CuTe kernel where it serves the
     geometry (bf16, pages and heads of 128, an H100/H200), else FlexAttention on CUDA for pages of a multiple of 128
-    keys and query heads per KV group dividing 128, else the reference. All compute the same exact attention; only the speed (and bf16 rounding) differs."""
+    keys, else the reference. All compute the same exact attention; only the speed (and bf16 rounding) differs."""
     if name == "auto":
         return sparse_attention_auto
     if name not in SPARSE_ATTENTION_FUNCTIONS:
@@ -369,11 +369,8 @@ def resolve_auto_implementation(q: torch.Tensor, keys: torch.Tensor, page_size: 
     needs_gradients = torch.is_grad_enabled() and any(t.requires_grad for t in (q, keys, values))
     if cute_sparse_attention_supported(q, keys, page_size) and not needs_gradients:  # forward-only kernel
         return "cute"
-    group = q.shape[1] // keys.shape[2]
-    if q.device.type == "cuda" and page_size % FLEX_MIN_PAGE_SIZE == 0 and _FLEX_ROW_TILE % group == 0:
+    if q.device.type == "cuda" and page_size % FLEX_MIN_PAGE_SIZE == 0:
         return "flex"
-    # groups that do not divide FlexAttention's 128-row tile (3 query heads per KV group in the converted SmolLM2)
-    # need query blocks of several tiles, which have not matched the reference on the GPU yet
     return "reference"
 
 
