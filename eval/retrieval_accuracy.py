@@ -165,10 +165,11 @@ def choice_loglikelihoods(model, tokenizer, document: dict, *, recall: Optional[
     if recall is not None:
         context, continuation = pairs[document["answer"]]
         ids = torch.tensor([(context + continuation)[:-1]], dtype=torch.int64, device=device)
+        answer_rows = torch.arange(len(context) - 1, ids.shape[1])  # the rows that predict the answer's tokens
         with capture_sparse_layer_inputs(model) as captured, torch.no_grad():
             output = model.model(input_ids=ids, use_cache=False, output_page_selections=True)
         for layer_input, selection in zip(single_pass(model, captured), output.page_selections):
-            recall.add(layer_input, selection.flatten(0, 1))
+            recall.add(layer_input, selection.flatten(0, 1), answer_rows=answer_rows)
     return scores
 
 
@@ -225,7 +226,7 @@ def evaluate_variant(model, tokenizer, documents: Sequence[dict], name: str, *, 
     """Per document: multiple-choice correctness (``correct``: the answer has the highest log-likelihood, lm-eval's
     ``acc``), greedy exact match (``greedy``: greedy decoding writes the answer, lm-eval's ``is_greedy`` of the
     answer's request) and the log-likelihoods of variant ``name``; for the sparse variants, recall over the first
-    ``recall_documents`` documents of each task."""
+    ``recall_documents`` documents of each task (over all rows, and over the rows that predict the answer)."""
     accumulator = RecallAccumulator() if name != "dense" and recall_documents > 0 else None
     correct, greedy, loglikelihoods, seen = [], [], [], {}
     with variant(model, name) as configured:
@@ -342,10 +343,12 @@ def recall_table(result: dict) -> str:
     for length, by_variant in result["lengths"].items():
         for name, summary in by_variant.items():
             for layer in summary.get("recall", []):
-                beyond = layer["recall_beyond_topk"]
+                beyond, answer = layer["recall_beyond_topk"], layer.get("recall_at_answer")
                 rows.append([str(length), name, str(layer["layer"]), f"{layer['recall']:.3f}",
-                             "-" if beyond is None else f"{beyond:.3f}", str(layer["rows_beyond_topk"])])
-    return format_table(["length", "variant", "layer", "recall", "recall beyond top-16", "rows beyond"], rows)
+                             "-" if beyond is None else f"{beyond:.3f}", str(layer["rows_beyond_topk"]),
+                             "-" if answer is None else f"{answer:.3f}"])
+    return format_table(["length", "variant", "layer", "recall", "recall beyond top-16", "rows beyond",
+                         "recall at the answer"], rows)
 
 
 def plot(result: dict, path: Path) -> Path:

@@ -123,6 +123,7 @@ def test_report_and_json_schema(trained, tmp_path):
     assert per_document["dense"] == per_document["sliding-window"]  # every page kept: the same outcomes
     assert all(len(values) == 2 and all(isinstance(v, bool) for v in values) for values in per_document["dense"].values())
     assert [layer["recall"] for layer in summary["recall"]] == pytest.approx([1.0, 1.0])
+    assert [layer["recall_at_answer"] for layer in summary["recall"]] == pytest.approx([1.0, 1.0])
     table = ra.accuracy_table(result)
     assert table.splitlines()[0].startswith("| length | task") and "sliding-window" in table
     assert "| 512" in ra.recall_table(result)

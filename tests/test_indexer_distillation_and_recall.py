@@ -9,7 +9,7 @@ from eval.default_model import _initialise, tiny_config
 from eval.indexer_distillation import indexer_distillation_loss, indexer_parameter_names, page_distribution_kl
 from eval.layer_inputs import capture_sparse_layer_inputs
 from eval.modes import attention_mode
-from eval.recall import indexer_recall
+from eval.recall import RecallAccumulator, indexer_recall
 from minimax_m3 import MiniMaxM3ForCausalLM
 from minimax_m3.dense_attention import dense_attention
 from minimax_m3.sparse_attention import ForwardMetadata, dense_attention_page_mass
@@ -94,19 +94,20 @@ def test_recall_is_one_when_every_page_is_selected(tiny_model):
             assert layer.recall == pytest.approx(1.0, abs=1e-6)
 
 
-def test_recall_beyond_the_window_matches_a_loop_over_tokens(tiny_model):
-    ids = torch.randint(3, 512, (1, 150), generator=torch.Generator().manual_seed(4))
-    recall = indexer_recall(tiny_model, ids)
-    with capture_sparse_layer_inputs(tiny_model) as captured, torch.no_grad():
-        output = tiny_model(ids, output_page_selections=True)
-    config = tiny_model.config
-    for layer, layer_input, selection in zip(recall, captured, output.page_selections):
+def kept_mass_by_loop(model, ids):
+    """Per sparse layer, ``{(token, group): kept mass}`` of ``model``'s own selections on the one sequence ``ids``,
+    one softmax per (token, head) (pages of 16), with the selections and the layers' inputs."""
+    with capture_sparse_layer_inputs(model) as captured, torch.no_grad():
+        output = model(ids, output_page_selections=True)
+    config = model.config
+    group = config.num_attention_heads // config.num_key_value_heads
+    layers = []
+    for layer_input, selection in zip(captured, output.page_selections):
         attention = layer_input.attention
         with torch.no_grad():
             q, k, _ = attention.query_key_value(layer_input.x, layer_input.cos, layer_input.sin)
-        group = config.num_attention_heads // config.num_key_value_heads
-        kept_all, kept_beyond = [], []
-        for t in range(150):
+        kept_by_row = {}
+        for t in range(ids.shape[1]):
             for g in range(config.num_key_value_heads):
                 pages = [p for p in selection[0, t, g].tolist() if p >= 0]
                 in_selection = torch.tensor([j // 16 in pages for j in range(t + 1)])
@@ -114,13 +115,38 @@ def test_recall_beyond_the_window_matches_a_loop_over_tokens(tiny_model):
                 for h in range(g * group, (g + 1) * group):
                     probabilities = torch.softmax((k[: t + 1, g] @ q[t, h]) * attention.scale, dim=0)
                     kept += float(probabilities[in_selection].sum()) / group
-                kept_all.append(kept)
-                if t // 16 + 1 > config.index_topk_blocks:
-                    kept_beyond.append(kept)
+                kept_by_row[t, g] = kept
+        layers.append((layer_input, selection, kept_by_row))
+    return layers
+
+
+def test_recall_beyond_the_window_matches_a_loop_over_tokens(tiny_model):
+    ids = torch.randint(3, 512, (1, 150), generator=torch.Generator().manual_seed(4))
+    recall = indexer_recall(tiny_model, ids)
+    config = tiny_model.config
+    for layer, (_, _, kept_by_row) in zip(recall, kept_mass_by_loop(tiny_model, ids)):
+        kept_all = list(kept_by_row.values())
+        kept_beyond = [kept for (t, _), kept in kept_by_row.items() if t // 16 + 1 > config.index_topk_blocks]
         assert layer.rows == 300 and layer.rows_beyond_topk == len(kept_beyond) > 0
         assert layer.recall == pytest.approx(sum(kept_all) / len(kept_all), abs=1e-5)
         assert layer.recall_beyond_topk == pytest.approx(sum(kept_beyond) / len(kept_beyond), abs=1e-5)
         assert layer.recall_beyond_topk < 1.0
+        assert layer.recall_at_answer is None and layer.answer_rows == 0  # no answer rows given
+
+
+def test_recall_at_the_answer_averages_only_the_answer_rows(tiny_model):
+    ids = torch.randint(3, 512, (1, 150), generator=torch.Generator().manual_seed(5))
+    answer_rows = torch.arange(140, 150)
+    accumulator = RecallAccumulator()
+    for layer_input, selection, kept_by_row in kept_mass_by_loop(tiny_model, ids):
+        accumulator.add(layer_input, selection[0], answer_rows=answer_rows)
+        expected = [kept for (t, _), kept in kept_by_row.items() if t >= 140]
+        layer = accumulator.result()[-1]
+        assert layer.answer_rows == len(expected) == 10 * tiny_model.config.num_key_value_heads
+        assert layer.recall_at_answer == pytest.approx(sum(expected) / len(expected), abs=1e-5)
+        assert layer.recall == pytest.approx(sum(kept_by_row.values()) / len(kept_by_row), abs=1e-5)
+    with pytest.raises(ValueError, match="answer_rows must be a 1-D tensor of packed token indices in \\[0, 150\\)"):
+        accumulator.add(layer_input, selection[0], answer_rows=torch.tensor([149, 150]))
 
 
 def test_recall_needs_the_sparse_mode(tiny_model):

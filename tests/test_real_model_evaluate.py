@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from eval.default_model import build_tokenizer
-from eval.real_model import evaluate
+from eval.real_model import evaluate, report
 from eval.stats import bootstrap_mean_interval
 from minimax_m3.from_llama import convert_llama
 from test_minimax_m3_from_llama import random_llama
@@ -95,6 +95,11 @@ def test_the_evaluation_reports_every_part_and_sparse_equals_dense_within_the_to
         summary = part[kind]["summary"]
         assert set(summary) == set(evaluate.VARIANTS) and summary["dense"]["documents"] == 3
         assert "mcnemar_p" in summary["sparse"]["versus_dense"]
+    answer_recall = part["needle"]["summary"]["sparse"]["recall"]  # the answer's rows of the first document
+    groups = model.config.num_key_value_heads
+    assert all(0 < row["recall_at_answer"] <= 1 + 1e-6 and row["answer_rows"] > 0 and row["answer_rows"] % groups == 0
+               for row in answer_recall)
+    assert "recall at the answer" in report.summary_table(result)
     assert len(part["perplexity"]["profile"]["dense"]) == 1  # 255 predicted positions: one full 128-position bin
 
 

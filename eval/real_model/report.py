@@ -16,7 +16,8 @@ def _interval(comparison: dict) -> str:
 
 def summary_table(result: dict) -> str:
     """Per length: perplexity beyond the top-k pages' reach (loss difference to dense with its 95 % interval),
-    pass-key and continuation accuracy with McNemar p-values, and the mean recall of the sparse layers."""
+    pass-key and continuation accuracy with McNemar p-values (and the recall at the rows that predict the answer,
+    min-mean over the sparse layers), and the mean recall of the sparse layers."""
     lines: List[str] = []
     for length, part in result["lengths"].items():
         perplexity = part.get("perplexity")
@@ -40,6 +41,10 @@ def summary_table(result: dict) -> str:
                     text = f"{kind} {summary['accuracy']:.3f} (greedy {summary['greedy_accuracy']:.3f})"
                     if "versus_dense" in summary:
                         text += f" p={summary['versus_dense']['mcnemar_p']:.3g}"
+                    at_answer = [layer["recall_at_answer"] for layer in summary.get("recall", [])
+                                 if layer.get("recall_at_answer") is not None]
+                    if at_answer:
+                        text += f" (recall at the answer {min(at_answer):.2f}-{sum(at_answer) / len(at_answer):.3f})"
                     cells.append(text)
             recall = (perplexity or {}).get("recall", {}).get(name)
             if recall:
