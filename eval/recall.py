@@ -51,15 +51,17 @@ class RecallAccumulator:
         ``answer_rows``: indices of the packed tokens whose rows also count towards ``recall_at_answer``."""
         attention = layer_input.attention
         config = attention.config
-        answer = torch.zeros(packed_selection.shape[0], dtype=torch.bool)
+        answer = None
         if answer_rows is not None:
             answer_rows = torch.as_tensor(answer_rows, dtype=torch.long).cpu()
+            num_tokens = packed_selection.shape[0]
             if answer_rows.dim() != 1 or (answer_rows.numel() and not (0 <= int(answer_rows.min())
-                                                                      and int(answer_rows.max()) < len(answer))):
-                raise ValueError(f"answer_rows must be a 1-D tensor of packed token indices in [0, {len(answer)}), got "
+                                                                      and int(answer_rows.max()) < num_tokens)):
+                raise ValueError(f"answer_rows must be a 1-D tensor of packed token indices in [0, {num_tokens}), got "
                                  f"shape {tuple(answer_rows.shape)}"
                                  + (f" with values in [{int(answer_rows.min())}, {int(answer_rows.max())}]"
                                     if answer_rows.numel() else ""))
+            answer = torch.zeros(num_tokens, dtype=torch.bool)
             answer[answer_rows] = True
         with torch.no_grad():
             q, k, _ = attention.query_key_value(layer_input.x, layer_input.cos, layer_input.sin)
@@ -75,9 +77,10 @@ class RecallAccumulator:
                 sums[1] += kept.numel()
                 sums[2] += float(kept[beyond].sum())
                 sums[3] += int(beyond.sum())
-                at_answer = answer[tokens].to(kept.device)
-                sums[4] += float(kept[at_answer].sum())
-                sums[5] += int(at_answer.sum()) * kept.shape[1]
+                if answer is not None:
+                    at_answer = answer[tokens].to(kept.device)
+                    sums[4] += float(kept[at_answer].sum())
+                    sums[5] += int(at_answer.sum()) * kept.shape[1]
 
     def result(self) -> List[LayerRecall]:
         return [LayerRecall(layer, kept / rows, rows, kept_beyond / rows_beyond if rows_beyond else None, rows_beyond,

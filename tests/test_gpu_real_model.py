@@ -50,7 +50,7 @@ def cpu_forward(converted):
         return converted(IDS, output_page_selections=True)
 
 
-@pytest.mark.parametrize("implementation", ["auto", "flex", "masked"])
+@pytest.mark.parametrize("implementation", ["reference", "flex", "masked"])
 def test_the_converted_geometry_on_cuda_gives_the_cpu_logits_and_pages(converted, cpu_forward, implementation):
     expected = cpu_forward
     model = copy.deepcopy(converted).cuda()
