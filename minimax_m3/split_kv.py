@@ -41,5 +41,5 @@ def merge_two_splits(output: torch.Tensor, lse: torch.Tensor, other: torch.Tenso
     """Two splits of the same rows' keys, each ``[*rows, D]`` normalised over its split with its natural log-sum-exp
     ``[*rows]`` (any float dtypes and strides): ``(rows normalised over both, their log-sum-exp)`` in fp32. Merging
     the splits one at a time into a running pair keeps two splits in memory, not all of them (compiled on CUDA)."""
-    merge = compiled("merge_two_splits", _merge_two) if fuse(other) else _merge_two
+    merge = compiled("merge_two_splits", _merge_two, tokens_first=False) if fuse(other) else _merge_two
     return merge(output, lse, other, other_lse)

@@ -1,0 +1,38 @@
+"""The compiled elementwise chains (``minimax_m3.fusion``): compiled per width, generic in the token count."""
+
+import torch
+from torch._dynamo.utils import counters
+
+from minimax_m3.fusion import compiled
+from minimax_m3.modeling_minimax_m3 import rms_norm, swiglu_oai
+
+
+def test_a_chain_compiles_once_per_width_for_any_number_of_tokens_and_equals_the_eager_math():
+    chain = compiled("test_fusion_rms_norm", rms_norm)
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, generator=generator)
+    graphs_before = counters["stats"]["unique_graphs"]
+    for tokens in (37, 300, 5):
+        x = torch.randn(tokens, 48, generator=generator)
+        torch.testing.assert_close(chain(x, weight, 1e-6, 1.0), rms_norm(x, weight, 1e-6, 1.0))
+    assert chain.signatures() == 1
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1  # the token count stayed generic
+
+    wider, wider_weight = torch.randn(7, 64, generator=generator), torch.randn(64, generator=generator)
+    torch.testing.assert_close(chain(wider, wider_weight, 1e-6, 0.0), rms_norm(wider, wider_weight, 1e-6, 0.0))
+    assert chain.signatures() == 2
+
+
+def test_a_strided_view_of_packed_rows_keeps_its_own_signature():
+    """The experts' SwiGLU reads the gate and up halves of one ``[rows, 2I]`` tensor: strided views, specialised to
+    their stride, and distinct from contiguous inputs of the same width."""
+    chain = compiled("test_fusion_swiglu", swiglu_oai)
+    generator = torch.Generator().manual_seed(1)
+    for rows in (12, 40):
+        gate_up = torch.randn(rows, 2 * 24, generator=generator) * 4
+        gate, up = gate_up.chunk(2, dim=-1)
+        torch.testing.assert_close(chain(gate, up, 1.702, 7.0, 1.0), swiglu_oai(gate, up, 1.702, 7.0, 1.0))
+    assert chain.signatures() == 1
+    gate, up = (torch.randn(9, 24, generator=generator) for _ in range(2))
+    torch.testing.assert_close(chain(gate, up, 1.702, 7.0, 1.0), swiglu_oai(gate, up, 1.702, 7.0, 1.0))
+    assert chain.signatures() == 2
