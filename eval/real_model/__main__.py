@@ -77,13 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 SHIPPED_INDEXER = Path(__file__).resolve().parent.parent / "models" / "smollm2-135m-indexer64" / "indexer.safetensors"
-"""Where the trained indexer of the index-head-64 conversion goes: its bytes live on the branch
-``smollm2-indexer64-weights`` (``eval/models/smollm2-135m-indexer64/README.md``), out of the main tree."""
+"""Where a trained indexer of the index-head-64 conversion may be put (git-ignored: 16 MB would not travel to the
+GPU machine with the DSL wheel; ``eval/models/smollm2-135m-indexer64/README.md``)."""
 
 
 def default_indexer(index_head_dim: int = 64) -> Path:
     """The trained indexer ``evaluate`` uses without ``--indexer``: this checkout's own distillation when there is
-    one, else ``SHIPPED_INDEXER`` (index head 64; present once put in place from its branch)."""
+    one, else ``SHIPPED_INDEXER`` (index head 64; present once a distilled one is put there)."""
     distilled = _default_distill_output(index_head_dim) / "indexer.safetensors"
     if distilled.is_file() or index_head_dim != 64:
         return distilled
