@@ -36,3 +36,13 @@ def test_a_strided_view_of_packed_rows_keeps_its_own_signature():
     gate, up = (torch.randn(9, 24, generator=generator) for _ in range(2))
     torch.testing.assert_close(chain(gate, up, 1.702, 7.0, 1.0), swiglu_oai(gate, up, 1.702, 7.0, 1.0))
     assert chain.signatures() == 2
+
+
+def test_the_bench_times_every_chain_and_its_compiled_forms_equal_the_eager_math():
+    from minimax_m3.bench_fusion import CHAINS, main
+
+    rows = main(["--device", "cpu", "--tokens", "64", "--hidden", "128", "--intermediate", "64", "--repeats", "1"])
+    assert [row["chain"] for row in rows] == list(CHAINS)
+    for row in rows:
+        assert row["ours_ms"] > 0 and row["dynamic_ms"] > 0 and row["eager_ms"] > 0
+        assert row["ours_error"] < 0.3 and row["dynamic_error"] < 0.3  # bf16 rounding of values up to about 10
