@@ -46,3 +46,28 @@ def test_the_bench_times_every_chain_and_its_compiled_forms_equal_the_eager_math
     for row in rows:
         assert row["ours_ms"] > 0 and row["dynamic_ms"] > 0 and row["eager_ms"] > 0
         assert row["ours_error"] < 0.3 and row["dynamic_error"] < 0.3  # bf16 rounding of values up to about 10
+
+
+def test_a_model_with_every_chain_compiled_equals_eager_and_compiles_nothing_for_new_lengths(monkeypatch):
+    """The chains the model compiles on CUDA, forced on here on the CPU: each call site's arguments make a signature
+    (a length never does), and the logits equal the eager forward's."""
+    import minimax_m3.experts as experts
+    import minimax_m3.fusion as fusion
+    import minimax_m3.modeling_minimax_m3 as modeling
+    import minimax_m3.split_kv as split_kv
+    from test_minimax_m3 import tiny_model
+
+    model = tiny_model()
+    prompts = {length: torch.randint(3, 90, (1, length), generator=torch.Generator().manual_seed(length))
+               for length in (40, 77, 130)}
+    with torch.no_grad():
+        eager = {length: model(ids).logits for length, ids in prompts.items()}
+        for module in (fusion, modeling, experts, split_kv):
+            monkeypatch.setattr(module, "fuse", lambda x: not torch.is_grad_enabled())
+        monkeypatch.setattr(fusion, "_compiled_functions", {})
+        signatures = []
+        for length, ids in prompts.items():
+            torch.testing.assert_close(model(ids).logits, eager[length], atol=1e-5, rtol=1e-5)
+            signatures.append({name: chain.signatures() for name, chain in fusion._compiled_functions.items()})
+    assert signatures[0] == signatures[1] == signatures[2]
+    assert {"rms_norm", "add_and_norm", "swiglu_oai", "norm_rope_and_cast", "weighted_token_sum"} <= set(signatures[0])
