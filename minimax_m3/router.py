@@ -40,19 +40,11 @@ class MiniMaxM3Router(nn.Linear):
 
     def __init__(self, hidden_size: int, num_experts: int):
         super().__init__(hidden_size, num_experts, bias=False, dtype=torch.float32)
-        self._parts = (None, None)  # (the weight's storage and version they were split from, [3 * E, hidden] parts)
-
-    def _bf16_parts(self) -> torch.Tensor:
-        """The weight's parts, split again only when the weight moved or changed in place (load, training step)."""
-        weight = self.weight
-        source = None if weight.is_inference() else (weight.data_ptr(), weight.device, weight._version)
-        if source is None or self._parts[0] != source:
-            self._parts = (source, compiled("exact_bf16_parts", exact_bf16_parts)(weight.detach()).flatten(0, 1))
-        return self._parts[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (x.dtype == torch.bfloat16 and self.weight.dtype == torch.float32 and fuse(x)
                 and not isinstance(self.weight, DTensor)):
-            partial = torch.mm(x.reshape(-1, x.shape[-1]), self._bf16_parts().t(), out_dtype=torch.float32)
+            parts = compiled("exact_bf16_parts", exact_bf16_parts)(self.weight)  # [3, E, hidden]
+            partial = torch.mm(x.reshape(-1, x.shape[-1]), parts.flatten(0, 1).t(), out_dtype=torch.float32)
             return partial.view(*x.shape[:-1], 3, self.out_features).sum(-2)
         return super().forward(x.to(self.weight.dtype)).float()
