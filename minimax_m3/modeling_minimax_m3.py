@@ -32,7 +32,6 @@ from .decode_graphs import DecodeGraph, decode_graph_obstacle
 from .dense_attention import ALL_ATTENTION_FUNCTIONS, check_served, dense_attention, eager_attention_forward
 from .experts import EXPERTS_FUNCTIONS
 from .fusion import compiled, fuse
-from .router import MiniMaxM3Router
 from .sparse_attention import (ForwardMetadata, PageSelector, get_sparse_attention_function, host_to_device,
                                to_index_dtype)
 
@@ -263,7 +262,7 @@ class MiniMaxM3SparseMoeBlock(nn.Module):
     def __init__(self, config: MiniMaxM3Config):
         super().__init__()
         self.config = config
-        self.gate = MiniMaxM3Router(config.hidden_size, config.num_local_experts)
+        self.gate = nn.Linear(config.hidden_size, config.num_local_experts, bias=False, dtype=torch.float32)
         self.register_buffer("e_score_correction_bias", torch.zeros(config.num_local_experts, dtype=torch.float32))
         self.experts = MiniMaxM3Experts(config)
         self.shared_experts = MiniMaxM3MLP(config, config.shared_intermediate_size * config.n_shared_experts)
@@ -271,7 +270,8 @@ class MiniMaxM3SparseMoeBlock(nn.Module):
     def route(self, x: torch.Tensor):
         """``(expert ids [T, k], weights [T, k] fp32, router logits [T, E] fp32)``; the router stays fp32 whatever
         the model dtype."""
-        logits = self.gate(x)  # fp32 as loaded (_keep_in_fp32_modules)
+        # through the module, so offload hooks bring its weight (fp32 as loaded: _keep_in_fp32_modules)
+        logits = self.gate(x.to(self.gate.weight.dtype)).float()
         choose = compiled("route_weights", route_weights) if fuse(logits) else route_weights
         chosen, weights = choose(logits, self.e_score_correction_bias.float(), self.config.num_experts_per_tok,
                                  self.config.routed_scaling_factor)
