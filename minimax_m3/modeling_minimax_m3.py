@@ -32,6 +32,7 @@ from .decode_graphs import DecodeGraph, decode_graph_obstacle
 from .dense_attention import ALL_ATTENTION_FUNCTIONS, check_served, dense_attention, eager_attention_forward
 from .experts import EXPERTS_FUNCTIONS
 from .fusion import compiled, fuse
+from .streams import run_branches
 from .sparse_attention import (ForwardMetadata, PageSelector, get_sparse_attention_function, host_to_device,
                                to_index_dtype)
 
@@ -277,10 +278,17 @@ class MiniMaxM3SparseMoeBlock(nn.Module):
                                  self.config.routed_scaling_factor)
         return chosen, weights, logits
 
-    def forward(self, x: torch.Tensor):
-        """``(output [T, hidden], router logits [T, E])`` of packed tokens ``x [T, hidden]``."""
+    def routed_experts(self, x: torch.Tensor):
+        """``(routed experts' output [T, hidden], router logits [T, E])``."""
         chosen, weights, logits = self.route(x)
-        return self.experts(x, chosen, weights) + self.shared_experts(x), logits
+        return self.experts(x, chosen, weights), logits
+
+    def forward(self, x: torch.Tensor):
+        """``(output [T, hidden], router logits [T, E])`` of packed tokens ``x [T, hidden]``. In a captured decode
+        step the shared expert runs beside the router and the routed experts (``streams``)."""
+        shared, (routed, logits) = run_branches(lambda: self.shared_experts(x), lambda: self.routed_experts(x),
+                                                x.device)
+        return routed + shared, logits
 
 
 class MiniMaxM3Attention(nn.Module):
@@ -332,34 +340,55 @@ class MiniMaxM3Attention(nn.Module):
         """The indexer's ``q [T, index_n_heads, index_head_dim]`` and ``k [T, index_head_dim]`` of a sparse layer, in
         the model dtype (normed, partial RoPE): differentiable, for training the indexer. With ``index_dtype``
         (the forward pass: ``config.index_dtype``) they come cast by ``to_index_dtype``, fused with the norm."""
+        tokens = x.shape[0]
+        index_k = self.index_key(x, cos, sin, index_dtype)
+        index_q = self.index_q_norm(self.index_q_proj(x).view(tokens, -1, self.config.index_head_dim), cos, sin,
+                                    index_dtype=index_dtype)
+        return index_q, index_k
+
+    def index_key(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index_dtype: Optional[str] = None):
+        """The indexer's ``k [T, index_head_dim]`` alone (``index_query_key``): what dense mode still caches."""
         if not self.is_sparse:
             raise ValueError(f"layer {self.layer_idx} is a full-attention layer: it has no indexer")
-        c = self.config
         tokens = x.shape[0]
-        index_q = self.index_q_norm(self.index_q_proj(x).view(tokens, -1, c.index_head_dim), cos, sin,
-                                    index_dtype=index_dtype)
-        index_k = self.index_k_norm(self.index_k_proj(x).view(tokens, 1, c.index_head_dim), cos, sin,
-                                    index_dtype=index_dtype)[:, 0]
-        return index_q, index_k
+        return self.index_k_norm(self.index_k_proj(x).view(tokens, 1, self.config.index_head_dim), cos, sin,
+                                 index_dtype=index_dtype)[:, 0]
+
+    def cache_index_keys_and_select(self, x, cos, sin, cache: MiniMaxM3Cache, metadata: ForwardMetadata,
+                                    page_selector: PageSelector) -> Optional[torch.Tensor]:
+        """Write the new tokens' index keys to the cache and, in sparse mode, return the indexer's page selection
+        (dense mode computes no index queries: only the cache, which a later sparse forward reads, needs the keys)."""
+        c = self.config
+        # the selection is discrete, so no gradient reaches the indexer through it (it trains on a KL of its
+        # scores, through index_query_key); without a graph the index path also stays off autograd under training
+        with torch.no_grad():
+            if c.attention_mode != "sparse":
+                index_k = self.index_key(x, cos, sin, index_dtype=c.index_dtype)
+                cache.write("index_keys", self.layer_idx, index_k, metadata.batch_index, metadata.positions)
+                return None
+            index_q, index_k = self.index_query_key(x, cos, sin, index_dtype=c.index_dtype)
+            cache.write("index_keys", self.layer_idx, index_k, metadata.batch_index, metadata.positions)
+            return page_selector.select(cache.index_pages(self.layer_idx), cache.block_table(x.device), index_q,
+                                        metadata)
 
     def forward(self, x, cos, sin, cache: MiniMaxM3Cache, metadata: ForwardMetadata, page_selector: PageSelector):
         tokens = x.shape[0]
-        q, k, v = self.query_key_value(x, cos, sin)
-        keys = cache.write("keys", self.layer_idx, k, metadata.batch_index, metadata.positions)
-        values = cache.write("values", self.layer_idx, v, metadata.batch_index, metadata.positions)
 
-        selection = None
+        def attention_inputs():
+            q, k, v = self.query_key_value(x, cos, sin)
+            keys = cache.write("keys", self.layer_idx, k, metadata.batch_index, metadata.positions)
+            values = cache.write("values", self.layer_idx, v, metadata.batch_index, metadata.positions)
+            return q, keys, values
+
         if self.is_sparse:
-            c = self.config
-            # the selection is discrete, so no gradient reaches the indexer through it (it trains on a KL of its
-            # scores, through index_query_key); without a graph the index path also stays off autograd under training
-            with torch.no_grad():
-                index_q, index_k = self.index_query_key(x, cos, sin, index_dtype=c.index_dtype)
-                cache.write("index_keys", self.layer_idx, index_k, metadata.batch_index, metadata.positions)
-                if c.attention_mode == "sparse":
-                    selection = page_selector.select(
-                        cache.index_pages(self.layer_idx), cache.block_table(x.device), index_q, metadata
-                    )
+            # the index path shares nothing with attention's projections until attention reads the selection: in a
+            # captured decode step the two run side by side (``streams``)
+            selection, (q, keys, values) = run_branches(
+                lambda: self.cache_index_keys_and_select(x, cos, sin, cache, metadata, page_selector),
+                attention_inputs, x.device)
+        else:
+            selection = None
+            q, keys, values = attention_inputs()
         if selection is None:
             attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
             attended = dense_attention(q, keys, values, metadata, scale=self.scale, attention=attention, module=self,

@@ -167,3 +167,55 @@ def test_a_chunk_over_a_cached_prefix_without_a_mask_never_synchronises():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(logits.float()).all() and cache.lengths == [3072]  # chunked == one forward: on the CPU
+
+
+def test_branches_fork_onto_the_side_stream_only_inside_a_capture_and_join_before_what_follows():
+    from minimax_m3.streams import run_branches, side_stream
+
+    device = torch.device("cuda")
+    x = torch.randn(1 << 22, device=device)
+    seen = []
+
+    def side():
+        seen.append(torch.cuda.current_stream(device))
+        return torch.cumsum(x, 0)  # slow enough that an unjoined branch would be read unfinished
+
+    def main():
+        return x.flip(0)
+
+    eager_side, eager_main = run_branches(side, main, device)
+    assert seen[-1] == torch.cuda.current_stream(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        summed, flipped = run_branches(side, main, device)
+        joined = summed * flipped
+    assert seen[-1] == side_stream(device)
+    for _ in range(3):
+        x.normal_()
+        graph.replay()
+        torch.testing.assert_close(joined, torch.cumsum(x, 0) * x.flip(0))
+
+
+def test_a_captured_decode_step_forks_the_index_path_and_the_shared_expert(monkeypatch):
+    """Each sparse layer's index path and each MoE layer's shared expert run on the side stream in the graph."""
+    import minimax_m3.modeling_minimax_m3 as modeling
+    from minimax_m3.streams import run_branches, side_stream
+
+    forks = []
+
+    def recording(side, main, device):
+        def recorded_side():
+            if torch.cuda.is_current_stream_capturing():
+                forks.append(torch.cuda.current_stream(device) == side_stream(device))
+            return side()
+        return run_branches(recorded_side, main, device)
+
+    monkeypatch.setattr(modeling, "run_branches", recording)
+    model = kernel_geometry_model([0, 1, 1])  # MoE in layers 1 and 2
+    prompt = torch.randint(3, 97, (2, 700), device="cuda")
+    cache = MiniMaxM3StaticCache(model.config, max_cache_len=710)
+    with torch.no_grad():
+        token = model(prompt, past_key_values=cache).logits[:, -1:].argmax(-1)
+        model(token, past_key_values=cache, decode_cuda_graphs=True)
+    assert model.model._decode_graphs[2].graph is not None
+    assert forks == [True] * 4  # 2 index paths and 2 shared experts
