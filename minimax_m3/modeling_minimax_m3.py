@@ -246,12 +246,25 @@ class MiniMaxM3Experts(nn.Module):
         return gated_activation(self.config, gate, up)
 
 
+def top_k_columns(values: torch.Tensor, k: int) -> torch.Tensor:
+    """``[..., k]`` the columns of each row's ``k`` largest values, largest first (of equal values the first
+    column), as ``k`` rounds of an argmax that masks its winner: compiled, the rounds fuse into the router's kernel,
+    where ``torch.topk`` adds kernels of its own (H100, top-4 of 128 in a graph: 3 kernels instead of 5, 218
+    instead of 999 µs at 131,072 tokens)."""
+    columns = torch.arange(values.shape[-1], device=values.device)
+    chosen = []
+    for _ in range(k):
+        column = values.argmax(-1, keepdim=True)
+        chosen.append(column)
+        values = torch.where(columns == column, float("-inf"), values)
+    return torch.cat(chosen, -1)
+
+
 def route_weights(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
     """``(expert ids, weights)`` of the router's fp32 ``logits [T, E]``: the top-``top_k`` of ``sigmoid(logits) +
-    bias``, weighted by their sigmoids renormalised to sum to ``scaling`` (compiled on CUDA: 2 kernels around the
-    top-k's 2, where eagerly there were 8)."""
+    bias``, weighted by their sigmoids renormalised to sum to ``scaling`` (compiled on CUDA)."""
     probabilities = torch.sigmoid(logits)
-    chosen = torch.topk(probabilities + bias, top_k, dim=-1).indices
+    chosen = top_k_columns(probabilities + bias, top_k)
     weights = probabilities.gather(-1, chosen)
     return chosen, weights / weights.sum(-1, keepdim=True) * scaling
 

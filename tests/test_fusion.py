@@ -68,6 +68,7 @@ def test_a_model_with_every_chain_compiled_equals_eager_and_compiles_nothing_for
         signatures = []
         for length, ids in prompts.items():
             torch.testing.assert_close(model(ids).logits, eager[length], atol=1e-5, rtol=1e-5)
-            signatures.append({name: chain.signatures() for name, chain in fusion._compiled_functions.items()})
+            signatures.append({name: chain.signatures() for name, chain in fusion._compiled_functions.items()
+                               if hasattr(chain, "signatures")})  # chains compiled per signature
     assert signatures[0] == signatures[1] == signatures[2]
     assert {"rms_norm", "add_and_norm", "swiglu_oai", "norm_rope_and_cast", "weighted_token_sum"} <= set(signatures[0])
