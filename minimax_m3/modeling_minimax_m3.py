@@ -353,16 +353,21 @@ class MiniMaxM3Attention(nn.Module):
         """The indexer's ``q [T, index_n_heads, index_head_dim]`` and ``k [T, index_head_dim]`` of a sparse layer, in
         the model dtype (normed, partial RoPE): differentiable, for training the indexer. With ``index_dtype``
         (the forward pass: ``config.index_dtype``) they come cast by ``to_index_dtype``, fused with the norm."""
-        tokens = x.shape[0]
-        index_k = self.index_key(x, cos, sin, index_dtype)
-        index_q = self.index_q_norm(self.index_q_proj(x).view(tokens, -1, self.config.index_head_dim), cos, sin,
-                                    index_dtype=index_dtype)
-        return index_q, index_k
+        return self.index_query(x, cos, sin, index_dtype), self.index_key(x, cos, sin, index_dtype)
+
+    def _require_indexer(self) -> None:
+        if not self.is_sparse:
+            raise ValueError(f"layer {self.layer_idx} is a full-attention layer: it has no indexer")
+
+    def index_query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index_dtype: Optional[str] = None):
+        """The indexer's ``q [T, index_n_heads, index_head_dim]`` alone (``index_query_key``)."""
+        self._require_indexer()
+        return self.index_q_norm(self.index_q_proj(x).view(x.shape[0], -1, self.config.index_head_dim), cos, sin,
+                                 index_dtype=index_dtype)
 
     def index_key(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index_dtype: Optional[str] = None):
         """The indexer's ``k [T, index_head_dim]`` alone (``index_query_key``): what dense mode still caches."""
-        if not self.is_sparse:
-            raise ValueError(f"layer {self.layer_idx} is a full-attention layer: it has no indexer")
+        self._require_indexer()
         tokens = x.shape[0]
         return self.index_k_norm(self.index_k_proj(x).view(tokens, 1, self.config.index_head_dim), cos, sin,
                                  index_dtype=index_dtype)[:, 0]
@@ -375,12 +380,11 @@ class MiniMaxM3Attention(nn.Module):
         # the selection is discrete, so no gradient reaches the indexer through it (it trains on a KL of its
         # scores, through index_query_key); without a graph the index path also stays off autograd under training
         with torch.no_grad():
-            if c.attention_mode != "sparse":
-                index_k = self.index_key(x, cos, sin, index_dtype=c.index_dtype)
-                cache.write("index_keys", self.layer_idx, index_k, metadata.batch_index, metadata.positions)
-                return None
-            index_q, index_k = self.index_query_key(x, cos, sin, index_dtype=c.index_dtype)
+            index_k = self.index_key(x, cos, sin, index_dtype=c.index_dtype)
             cache.write("index_keys", self.layer_idx, index_k, metadata.batch_index, metadata.positions)
+            if c.attention_mode != "sparse":
+                return None
+            index_q = self.index_query(x, cos, sin, index_dtype=c.index_dtype)
             return page_selector.select(cache.index_pages(self.layer_idx), cache.block_table(x.device), index_q,
                                         metadata)
 
