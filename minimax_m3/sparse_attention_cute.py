@@ -55,23 +55,29 @@ def page_unions(selection: torch.Tensor, batch_index: torch.Tensor, pages_per_se
     count_tokens, num_groups, topk = selection.shape
     tiles = -(-count_tokens // tokens_per_tile)
     device = selection.device
-    physical = torch.where(selection >= 0, batch_index.to(torch.int64)[:, None, None] * pages_per_sequence + selection, -1)
-    padded = torch.full((tiles * tokens_per_tile, num_groups, topk), -1, dtype=torch.int64, device=device)
-    padded[:count_tokens] = physical
-    candidates = padded.view(tiles, tokens_per_tile, num_groups, topk).permute(0, 2, 1, 3).reshape(tiles, num_groups, -1)
-    token_of_candidate = torch.arange(tokens_per_tile, device=device).repeat_interleave(topk)
-    absent = torch.iinfo(torch.int64).max
+    # keys physical_page * 8 + token fit int32: physical pages < 2^24 (sparse_attention_cute checks)
+    physical = torch.where(selection >= 0, batch_index.to(torch.int32)[:, None, None] * pages_per_sequence + selection, -1)
+    if tiles * tokens_per_tile != count_tokens:
+        padded = torch.full((tiles * tokens_per_tile, num_groups, topk), -1, dtype=torch.int32, device=device)
+        padded[:count_tokens] = physical
+        physical = padded
+    candidates = physical.view(tiles, tokens_per_tile, num_groups, topk).transpose(1, 2).reshape(tiles, num_groups, -1)
+    token_of_candidate = torch.arange(tokens_per_tile, dtype=torch.int32, device=device).repeat_interleave(topk)
+    absent = torch.iinfo(torch.int32).max
     keys, _ = torch.sort(torch.where(candidates >= 0, candidates * 8 + token_of_candidate, absent), dim=-1)
     valid = keys != absent
-    pages = torch.where(valid, keys // 8, -1)
+    pages = keys // 8
     first = valid & torch.cat([torch.ones_like(valid[..., :1]), pages[..., 1:] != pages[..., :-1]], dim=-1)
-    run = (torch.cumsum(first.to(torch.int64), dim=-1) - 1).clamp(min=0)
+    run = (torch.cumsum(first, dim=-1, dtype=torch.int32) - 1).clamp(min=0).long()
     # a token selects a page at most once, so the bits of one run are distinct and their sum is their OR
     bits = torch.zeros_like(keys).scatter_add_(-1, run, torch.where(valid, 1 << (keys % 8), 0))
-    distinct = torch.sort(torch.where(first, pages, absent), dim=-1).values
-    entries = torch.where(distinct != absent, distinct | (bits << 24), 0)
+    # entry r is run r's page and bits; every key of a run writes the same value, padding lands in the last slot,
+    # which is a run only when no key is padding
+    entries = torch.where(valid, (pages.to(torch.int64) | (bits.gather(-1, run).to(torch.int64) << 24)), 0)
     entries = torch.where(entries >= 2**31, entries - 2**32, entries).to(torch.int32)
-    return entries.contiguous(), first.sum(-1).to(torch.int32).contiguous()
+    slot = torch.where(valid, run, keys.shape[-1] - 1)
+    union = torch.zeros_like(entries).scatter_(-1, slot, entries)
+    return union, first.sum(-1, dtype=torch.int32)
 
 
 def _check_selection(selection: torch.Tensor, q: torch.Tensor, num_kv_heads: int) -> None:
