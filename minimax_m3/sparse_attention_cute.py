@@ -56,7 +56,8 @@ def page_unions(selection: torch.Tensor, batch_index: torch.Tensor, pages_per_se
     tiles = -(-count_tokens // tokens_per_tile)
     device = selection.device
     # keys physical_page * 8 + token fit int32: physical pages < 2^24 (sparse_attention_cute checks)
-    physical = torch.where(selection >= 0, batch_index.to(torch.int32)[:, None, None] * pages_per_sequence + selection, -1)
+    physical = torch.where(selection >= 0, batch_index.to(torch.int32)[:, None, None] * pages_per_sequence + selection,
+                           -1).to(torch.int32)
     if tiles * tokens_per_tile != count_tokens:
         padded = torch.full((tiles * tokens_per_tile, num_groups, topk), -1, dtype=torch.int32, device=device)
         padded[:count_tokens] = physical
