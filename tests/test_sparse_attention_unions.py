@@ -51,6 +51,8 @@ def test_page_unions_match_a_loop():
                 assert int(count[tile, group]) == len(entries)
                 got = [(int(e) & 0xFFFFFF, (int(e) >> 24) & 0xFF) for e in union[tile, group, : len(entries)]]
                 assert got == entries
+        wide_union, wide_count = page_unions(selection.long(), batch_index, pages_per_sequence, tokens_per_tile)
+        assert torch.equal(wide_union, union) and torch.equal(wide_count, count)
 
 
 def test_own_cache_slots_are_batch_times_capacity_plus_position():
