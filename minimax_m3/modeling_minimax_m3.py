@@ -32,6 +32,7 @@ from .decode_graphs import DecodeGraph, decode_graph_obstacle
 from .dense_attention import ALL_ATTENTION_FUNCTIONS, check_served, dense_attention, eager_attention_forward
 from .experts import EXPERTS_FUNCTIONS
 from .fusion import compiled, fuse
+from .packed_projections import ProjectionGroup
 from .streams import run_branches
 from .sparse_attention import (ForwardMetadata, PageSelector, get_sparse_attention_function, host_to_device,
                                to_index_dtype)
@@ -201,9 +202,11 @@ class MiniMaxM3MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, width, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, width, bias=False)
         self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
+        self.input_projections = ProjectionGroup(("gate_proj", "up_proj"))
 
     def forward(self, x):
-        return self.down_proj(gated_activation(self.config, self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.input_projections(self, x)
+        return self.down_proj(gated_activation(self.config, gate, up))
 
 
 def gated_activation(config: MiniMaxM3Config, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -334,26 +337,31 @@ class MiniMaxM3Attention(nn.Module):
             self.index_k_proj = nn.Linear(config.hidden_size, config.index_head_dim, bias=False)
             self.index_q_norm = MiniMaxM3RMSNorm(config.index_head_dim, config.rms_norm_eps, gemma)
             self.index_k_norm = MiniMaxM3RMSNorm(config.index_head_dim, config.rms_norm_eps, gemma)
+        # one storage for the projections of the layer input: attention's three in one GEMM, the indexer's two in
+        # another (the index path runs on its own stream in a captured decode step)
+        self.input_projections = ProjectionGroup(
+            ("q_proj", "k_proj", "v_proj") + (("index_q_proj", "index_k_proj") if self.is_sparse else ()))
 
     def query_key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Attention ``q [T, heads, D]``, ``k`` and ``v [T, kv_heads, D]`` of the packed layer input ``x [T, hidden]``
         (after ``input_layernorm``): q and k normed (``use_qk_norm``) and rotated, as attention reads them. The
         head counts are the projections' (under tensor parallelism a rank's share of them)."""
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, -1, self.head_dim)
-        k = self.k_proj(x).view(tokens, -1, self.head_dim)
+        q, k, v = (projection.view(tokens, -1, self.head_dim)
+                   for projection in self.input_projections(self, x, ("q_proj", "k_proj", "v_proj")))
         if self.config.use_qk_norm:
             q, k = norm_and_rope(self.q_norm, q, cos, sin), norm_and_rope(self.k_norm, k, cos, sin)
         else:
             q, k = rope(q, cos, sin), rope(k, cos, sin)
-        v = self.v_proj(x).view(tokens, -1, self.head_dim)
         return q, k, v
 
     def index_query_key(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index_dtype: Optional[str] = None):
         """The indexer's ``q [T, index_n_heads, index_head_dim]`` and ``k [T, index_head_dim]`` of a sparse layer, in
         the model dtype (normed, partial RoPE): differentiable, for training the indexer. With ``index_dtype``
         (the forward pass: ``config.index_dtype``) they come cast by ``to_index_dtype``, fused with the norm."""
-        return self.index_query(x, cos, sin, index_dtype), self.index_key(x, cos, sin, index_dtype)
+        self._require_indexer()
+        query, key = self.input_projections(self, x, ("index_q_proj", "index_k_proj"))
+        return self._normed_index_query(query, cos, sin, index_dtype), self._normed_index_key(key, cos, sin, index_dtype)
 
     def _require_indexer(self) -> None:
         if not self.is_sparse:
@@ -362,14 +370,19 @@ class MiniMaxM3Attention(nn.Module):
     def index_query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index_dtype: Optional[str] = None):
         """The indexer's ``q [T, index_n_heads, index_head_dim]`` alone (``index_query_key``)."""
         self._require_indexer()
-        return self.index_q_norm(self.index_q_proj(x).view(x.shape[0], -1, self.config.index_head_dim), cos, sin,
-                                 index_dtype=index_dtype)
+        return self._normed_index_query(self.index_q_proj(x), cos, sin, index_dtype)
 
     def index_key(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index_dtype: Optional[str] = None):
         """The indexer's ``k [T, index_head_dim]`` alone (``index_query_key``): what dense mode still caches."""
         self._require_indexer()
-        tokens = x.shape[0]
-        return self.index_k_norm(self.index_k_proj(x).view(tokens, 1, self.config.index_head_dim), cos, sin,
+        return self._normed_index_key(self.index_k_proj(x), cos, sin, index_dtype)
+
+    def _normed_index_query(self, projected, cos, sin, index_dtype):
+        return self.index_q_norm(projected.view(projected.shape[0], -1, self.config.index_head_dim), cos, sin,
+                                 index_dtype=index_dtype)
+
+    def _normed_index_key(self, projected, cos, sin, index_dtype):
+        return self.index_k_norm(projected.view(projected.shape[0], 1, self.config.index_head_dim), cos, sin,
                                  index_dtype=index_dtype)[:, 0]
 
     def cache_index_keys_and_select(self, x, cos, sin, cache: MiniMaxM3Cache, metadata: ForwardMetadata,
@@ -380,11 +393,13 @@ class MiniMaxM3Attention(nn.Module):
         # the selection is discrete, so no gradient reaches the indexer through it (it trains on a KL of its
         # scores, through index_query_key); without a graph the index path also stays off autograd under training
         with torch.no_grad():
-            index_k = self.index_key(x, cos, sin, index_dtype=c.index_dtype)
-            cache.write("index_keys", self.layer_idx, index_k, metadata.batch_index, metadata.positions)
             if c.attention_mode != "sparse":
+                index_q, index_k = None, self.index_key(x, cos, sin, index_dtype=c.index_dtype)
+            else:
+                index_q, index_k = self.index_query_key(x, cos, sin, index_dtype=c.index_dtype)
+            cache.write("index_keys", self.layer_idx, index_k, metadata.batch_index, metadata.positions)
+            if index_q is None:
                 return None
-            index_q = self.index_query(x, cos, sin, index_dtype=c.index_dtype)
             return page_selector.select(cache.index_pages(self.layer_idx), cache.block_table(x.device), index_q,
                                         metadata)
 
@@ -472,6 +487,25 @@ class MiniMaxM3PreTrainedModel(PreTrainedModel):
         if kwargs.get("is_main_process", True):
             write_remote_code(str(save_directory))
         return result
+
+    def post_init(self):
+        super().post_init()
+        self.pack_projections()
+
+    def pack_projections(self) -> None:
+        """Give each group of projections of one input one weight storage (``packed_projections``), so a forward
+        computes a group in one GEMM. Done when the model is built, loaded and moved (``to``, ``half``...); call it
+        again after replacing projection weights by other tensors. Groups that cannot be packed (tensor-parallel
+        shards, quantised, offloaded or hooked modules) keep their weights and are projected module by module."""
+        left = {}
+        for name, module in self.named_modules():
+            group = getattr(module, "input_projections", None)
+            if isinstance(group, ProjectionGroup):
+                reason = group.pack(module)
+                if reason is not None:
+                    left.setdefault(reason, []).append(name)
+        for reason, names in left.items():
+            logger.info("%d projection groups left unpacked (%s), e.g. %s", len(names), reason, names[0])
 
     def get_correct_attn_implementation(self, requested_attention: Optional[str], is_init_check: bool = False) -> str:
         """transformers' choice, limited to what the dense layers serve (``dense_attention.check_served``)."""
@@ -688,9 +722,12 @@ class MiniMaxM3Model(MiniMaxM3PreTrainedModel):
         return any(hasattr(module, "_hf_hook") for module in self.modules())
 
     def _apply(self, fn, *args, **kwargs):
-        """``to()``, ``cuda()``, ``half()``...: captured decode graphs read the old tensors' addresses, so they go."""
+        """``to()``, ``cuda()``, ``half()``...: captured decode graphs read the old tensors' addresses, so they go; the
+        converted weights are separate tensors, so the projection groups are packed again."""
         getattr(self, "_decode_graphs", {}).clear()
-        return super()._apply(fn, *args, **kwargs)
+        result = super()._apply(fn, *args, **kwargs)
+        self.pack_projections()
+        return result
 
     def _decode_graph(self, cache) -> DecodeGraph:
         graph = self._decode_graphs.get(cache.batch_size)
@@ -919,6 +956,7 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
                                  + (" ..." if len(keys) > 5 else ""))
         if quantization is not None:
             model._cast_unquantized_to_config_dtype()
+        model.pack_projections()  # the loader set each weight apart
         return (model, info) if wants_info else model
 
     def _cast_unquantized_to_config_dtype(self) -> None:
