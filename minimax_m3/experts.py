@@ -6,18 +6,25 @@ outputs are weighted, put back in token order and summed in one pass (compiled o
 fp32 product, a gather and a sum over ``[T * k, hidden]`` (and, in transformers 5.17, three masking passes for
 expert parallelism): 12.5 ms of a 32K-token real-width layer pair on the H200. ``batched_mm`` and transformers'
 other functions are transformers' own; ``eager`` is the experts module's loop. The pairs are put in expert order
-by a sort, or for decode-sized batches by counting, in one compiled kernel instead of a sort's ten.
+by a sort, or for decode-sized batches by counting, in one compiled kernel instead of a sort's ten. In decode
+steps on SM90 a projection that ``gemv_pays`` for is the grouped GEMV kernel instead of the grouped GEMM: a few rows
+per expert leave the GEMM's tiles mostly idle, the GEMV reads each active expert's weight once.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from transformers.integrations.moe import ExpertsInterface, _grouped_mm
 
+from indexer.cute_runtime import compile_once, compile_tvm_ffi, dsl_available, sm_count
+
 from .fusion import compiled, fuse
 
-__all__ = ["EXPERTS_FUNCTIONS", "grouped_mm_experts_forward", "routing_plan_by_counting", "routing_plan_by_sorting",
-           "weighted_token_sum"]
+__all__ = ["EXPERTS_FUNCTIONS", "GEMV_MAX_PAIRS", "gemv_pays", "grouped_gemv", "grouped_gemv_serves",
+           "grouped_mm_experts_forward",
+           "routing_plan_by_counting", "routing_plan_by_sorting", "weighted_token_sum"]
 
 
 def weighted_token_sum(outputs: torch.Tensor, slot_of_pair: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -67,6 +74,83 @@ def routing_plan_by_counting(top_k_index: torch.Tensor, num_experts: int):
     return token_of_row, torch.cumsum(counts, 0).to(torch.int32), slot_of_pair
 
 
+GEMV_MAX_PAIRS = 64
+"""At most this many (token, expert) pairs (decode steps of up to 16 tokens at top-4) may take the grouped GEMV
+kernel (``grouped_gemv``, where ``gemv_pays``); more take transformers' grouped GEMM."""
+GEMV_MIN_CTAS_PER_SM = 4
+"""The GEMV streams each weight row from one warp: with fewer CTAs than this per SM it leaves bandwidth unused."""
+
+
+def gemv_pays(pairs: int, num_experts: int, columns: int, num_sms: int) -> bool:
+    """Whether a projection of ``pairs`` rows over ``num_experts`` experts of ``columns`` outputs is faster by the
+    grouped GEMV than by the grouped GEMM, by the rule its measurements set (H100, docs/PERFORMANCE.md): at most
+    ``GEMV_MAX_PAIRS`` pairs; on average at most one pass of rows per active expert (more passes re-read the weight);
+    and enough CTAs (output column blocks times active experts) to fill the SMs. Every measured case it admits took
+    11-44 % less time than the grouped GEMM (M3's width at 1, 4 and 16 tokens; the presets' down projection at 1 and
+    4); every case it refuses was slower or at most 9 % faster by the GEMV (the presets' 512-wide gate_up, and their
+    down projection at 16 tokens, 8 rows per expert)."""
+    from .kernels.grouped_gemv_sm90 import GroupedGemvSm90
+
+    slots = min(num_experts, pairs)
+    column_blocks = -(-columns // GroupedGemvSm90.warps // GroupedGemvSm90.columns_per_warp)
+    return (0 < pairs <= GEMV_MAX_PAIRS and pairs <= GroupedGemvSm90.rows_per_pass * num_experts
+            and column_blocks * slots >= GEMV_MIN_CTAS_PER_SM * num_sms)
+
+
+def grouped_gemv_serves(rows: torch.Tensor, weights: torch.Tensor) -> bool:
+    """Whether ``grouped_gemv`` takes these operands: bf16 on an SM90 GPU with the CuTe DSL, rows of a multiple of 8
+    elements, 16-byte aligned and contiguous, and no gradient to record."""
+    return (type(rows.data) is torch.Tensor and type(weights.data) is torch.Tensor  # not a tensor-parallel shard
+            and rows.is_cuda and rows.dtype == weights.dtype == torch.bfloat16 and weights.device == rows.device
+            and dsl_available() and torch.cuda.get_device_capability(rows.device)[0] == 9
+            and rows.shape[-1] % 8 == 0 and weights.shape[-1] == rows.shape[-1] and weights.shape[-2] % 8 == 0
+            and rows.is_contiguous() and weights.is_contiguous()
+            and rows.data_ptr() % 16 == 0 and weights.data_ptr() % 16 == 0
+            and not (torch.is_grad_enabled() and (rows.requires_grad or weights.requires_grad)))
+
+
+def grouped_gemv(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out[r] = weights[e(r)] @ rows[r]``: ``rows [P, K]`` in expert order, expert ``e``'s rows ending at
+    ``offsets[e]`` (``[E]`` int32, non-decreasing, the last equal to ``P``), ``weights [E, N, K]``; ``[P, N]`` in the
+    rows' dtype (into ``out`` when given), fp32 sums: what ``_grouped_mm(rows, weights.transpose(-2, -1), offsets)``
+    computes, by the SM90 kernel (``minimax_m3/kernels/grouped_gemv_sm90.py``) that reads each active expert's
+    weight once."""
+    if not grouped_gemv_serves(rows, weights):
+        raise ValueError("grouped_gemv needs bf16 rows [P, K] and weights [E, N, K] on an SM90 GPU with the CuTe DSL, "
+                         f"K and N multiples of 8, contiguous and 16-byte aligned; got rows {tuple(rows.shape)} "
+                         f"{rows.dtype} on {rows.device}, weights {tuple(weights.shape)} {weights.dtype}")
+    if offsets.shape != (weights.shape[0],) or offsets.dtype != torch.int32 or offsets.device != rows.device:
+        raise ValueError(f"offsets must be int32 [{weights.shape[0]}] on {rows.device}, got {tuple(offsets.shape)} "
+                         f"{offsets.dtype} on {offsets.device}")
+    shape = (rows.shape[0], weights.shape[1])
+    if out is None:
+        out = torch.empty(shape, dtype=rows.dtype, device=rows.device)
+    elif out.shape != shape or out.dtype != rows.dtype or out.device != rows.device or out.stride(-1) != 1:
+        raise ValueError(f"out must be {rows.dtype} {list(shape)} on {rows.device} with unit column stride, got "
+                         f"{out.dtype} {list(out.shape)} on {out.device}")
+    if rows.shape[0] == 0:
+        return out
+    with torch.cuda.device(rows.device):
+        kernel = compile_once(("grouped_gemv_sm90",), _compile_grouped_gemv)
+    kernel(rows, weights, offsets, out)
+    return out
+
+
+def _compile_grouped_gemv():
+    from .kernels.grouped_gemv_sm90 import GroupedGemvSm90
+    from .kernels.signatures import grouped_gemv_arguments
+
+    return compile_tvm_ffi(GroupedGemvSm90(), grouped_gemv_arguments())
+
+
+def _expert_projection(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    if (rows.shape[0] <= GEMV_MAX_PAIRS and grouped_gemv_serves(rows, weights)
+            and gemv_pays(rows.shape[0], weights.shape[0], weights.shape[1], sm_count(rows.device))):
+        return grouped_gemv(rows, weights, offsets)
+    return _grouped_mm(rows, weights.transpose(-2, -1), offsets)
+
+
 def grouped_mm_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                top_k_weights: torch.Tensor) -> torch.Tensor:
     if top_k_index.numel() <= COUNTED_PLAN_MAX_PAIRS:
@@ -76,8 +160,8 @@ def grouped_mm_experts_forward(self, hidden_states: torch.Tensor, top_k_index: t
         plan = routing_plan_by_sorting
     token_of_row, offsets, slot_of_pair = plan(top_k_index, self.num_experts)
     rows = hidden_states[token_of_row]
-    gated = self._apply_gate(_grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offsets))
-    outputs = _grouped_mm(gated, self.down_proj.transpose(-2, -1), offsets)
+    gated = self._apply_gate(_expert_projection(rows, self.gate_up_proj, offsets))
+    outputs = _expert_projection(gated.contiguous(), self.down_proj, offsets)
     combine = compiled("weighted_token_sum", weighted_token_sum) if fuse(outputs) else weighted_token_sum
     return combine(outputs, slot_of_pair, top_k_weights)
 

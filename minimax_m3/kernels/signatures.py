@@ -8,7 +8,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-__all__ = ["sparse_attention_fake_arguments", "sparse_decode_attention_arguments"]
+__all__ = ["sparse_attention_fake_arguments", "sparse_decode_attention_arguments", "grouped_gemv_arguments"]
 
 SCALE = 0.08838834764831845
 
@@ -49,3 +49,16 @@ def sparse_decode_attention_arguments(num_heads: int = 64, num_kv_heads: int = 4
     own_slot = make_fake_tensor(cutlass.Int32, (tokens,), (1,), assumed_align=4)
     return (q, k, v, o, lse, selection, None, own_slot, cutlass.Float32(SCALE),
             make_fake_stream(use_tvm_ffi_env_stream=True))
+
+
+def grouped_gemv_arguments():
+    """Fake tensors for ``GroupedGemvSm90.__call__`` (TVM-FFI calls): rows ``[P, K]``, weights ``[E, N, K]`` and the
+    output ``[P, N]`` in bf16 with 16-byte aligned rows (every extent dynamic, K and N multiples of 8), the offsets
+    ``[E]`` int32."""
+    rows, experts, columns, depth = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), cute.sym_int32(divisibility=8)
+    x = make_fake_tensor(cutlass.BFloat16, (rows, depth), (cute.sym_int64(divisibility=8), 1), assumed_align=16)
+    w = make_fake_tensor(cutlass.BFloat16, (experts, columns, depth),
+                         (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1), assumed_align=16)
+    offsets = make_fake_tensor(cutlass.Int32, (experts,), (1,), assumed_align=4)
+    out = make_fake_tensor(cutlass.BFloat16, (rows, columns), (cute.sym_int64(), 1), assumed_align=2)
+    return x, w, offsets, out, make_fake_stream(use_tvm_ffi_env_stream=True)

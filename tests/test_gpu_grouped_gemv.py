@@ -1,0 +1,92 @@
+"""The decode experts' grouped GEMV kernel against an fp32 reference and against transformers' grouped GEMM."""
+
+import pytest
+import torch
+from transformers.integrations.moe import _grouped_mm
+
+from minimax_m3.experts import grouped_gemv, routing_plan_by_counting
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9), reason="needs SM90"),
+]
+
+
+def reference(rows, weights, offsets):
+    """fp32 products of each row with its expert's weight."""
+    ends = offsets.long().tolist()
+    out = torch.empty(rows.shape[0], weights.shape[1], dtype=torch.float32, device=rows.device)
+    begin = 0
+    for expert, end in enumerate(ends):
+        if end > begin:
+            out[begin:end] = rows[begin:end].float() @ weights[expert].float().T
+        begin = end
+    return out
+
+
+@pytest.mark.parametrize("experts, columns, depth, counts", [
+    (4, 512, 6144, [1, 0, 2, 5]),  # the presets' gate_up: an empty expert, one of more rows than a pass
+    (4, 6144, 256, [2, 2, 2, 2]),  # their down projection
+    (128, 6144, 3072, None),  # M3's down projection, 16 random pairs over 128 experts (several ballot chunks)
+    (40, 1000, 136, [0] * 33 + [1, 3, 0, 9, 1, 0, 1]),  # widths that fill no CTA's columns evenly
+])
+def test_grouped_gemv_matches_the_fp32_reference_and_writes_nothing_else(experts, columns, depth, counts):
+    generator = torch.Generator(device="cuda").manual_seed(experts + columns)
+    if counts is None:
+        ids = torch.randint(0, experts, (4, 4), generator=generator, device="cuda")
+        _, offsets, _ = routing_plan_by_counting(ids, experts)
+    else:
+        offsets = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    pairs = int(offsets[-1])
+    weights = torch.randn(experts, columns, depth, generator=generator, device="cuda").to(torch.bfloat16)
+    guarded = torch.full((pairs + 2, depth), float("nan"), device="cuda", dtype=torch.bfloat16)
+    rows = guarded[1:-1]
+    rows.copy_(torch.randn(pairs, depth, generator=generator, device="cuda"))
+    target = torch.full((pairs + 2, columns), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = grouped_gemv(rows, weights, offsets, out=target[1:-1])
+    expected = reference(rows, weights, offsets)
+    assert out.shape == (pairs, columns) and out.dtype == torch.bfloat16
+    assert not out.isnan().any() and target[0].isnan().all() and target[-1].isnan().all()
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2 * depth ** 0.5)
+    if pairs:
+        grouped = _grouped_mm(rows, weights.transpose(-2, -1), offsets)
+        torch.testing.assert_close(out.float(), grouped.float(), rtol=1e-2, atol=1e-2 * depth ** 0.5)
+
+
+def test_inconsistent_offsets_are_clamped_and_nothing_outside_the_output_is_written():
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    weights = torch.randn(3, 64, 128, generator=generator, device="cuda").to(torch.bfloat16)
+    rows = torch.randn(4, 128, generator=generator, device="cuda").to(torch.bfloat16)
+    offsets = torch.tensor([2, 1, 1000], dtype=torch.int32, device="cuda")  # not monotone, then past the rows
+    target = torch.full((6, 64), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = grouped_gemv(rows, weights, offsets, out=target[1:-1])
+    # expert 0 takes rows [0, 2), expert 1 none, expert 2 rows [1, 4) (its start is the previous offset, clamped)
+    products = [rows.float() @ weights[expert].float().T for expert in range(3)]
+    torch.testing.assert_close(out[0].float(), products[0][0], rtol=1e-2, atol=0.2)
+    torch.testing.assert_close(out[2:].float(), products[2][2:], rtol=1e-2, atol=0.2)
+    assert not out.isnan().any() and target[0].isnan().all() and target[-1].isnan().all()
+
+
+def test_the_experts_forward_with_the_gemv_where_it_pays_equals_the_grouped_gemm_path():
+    from minimax_m3 import experts as experts_module
+    from minimax_m3.bench_prefill import geometry_config
+    from minimax_m3.modeling_minimax_m3 import MiniMaxM3Experts
+
+    config = geometry_config(1, tiny=False)
+    module = MiniMaxM3Experts(config).cuda().to(torch.bfloat16)
+    torch.nn.init.normal_(module.gate_up_proj, std=0.02)
+    torch.nn.init.normal_(module.down_proj, std=0.02)
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    hidden = torch.randn(4, config.hidden_size, generator=generator, device="cuda").to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(config.num_local_experts, device="cuda")[:2] for _ in range(4)])
+    weights = torch.rand(4, 2, device="cuda")
+    with torch.no_grad():
+        gemv = experts_module.grouped_mm_experts_forward(module, hidden, ids, weights)
+        limit = experts_module.GEMV_MAX_PAIRS
+        try:
+            experts_module.GEMV_MAX_PAIRS = 0
+            grouped = experts_module.grouped_mm_experts_forward(module, hidden, ids, weights)
+        finally:
+            experts_module.GEMV_MAX_PAIRS = limit
+    # the gated activations are rounded to bf16 between the projections, by either path
+    torch.testing.assert_close(gemv.float(), grouped.float(), rtol=2e-2, atol=2e-2)
