@@ -92,7 +92,7 @@ def gemv_pays(pairs: int, num_experts: int, columns: int, num_sms: int) -> bool:
     from .kernels.grouped_gemv_sm90 import GroupedGemvSm90
 
     slots = min(num_experts, pairs)
-    column_blocks = -(-columns // GroupedGemvSm90.warps // GroupedGemvSm90.columns_per_warp)
+    column_blocks = -(-columns // GroupedGemvSm90.columns_per_cta)
     return (0 < pairs <= GEMV_MAX_PAIRS and pairs <= GroupedGemvSm90.rows_per_pass * num_experts
             and column_blocks * slots >= GEMV_MIN_CTAS_PER_SM * num_sms)
 
@@ -124,11 +124,17 @@ def grouped_gemv(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tenso
         raise ValueError(f"offsets must be int32 [{weights.shape[0]}] on {rows.device}, got {tuple(offsets.shape)} "
                          f"{offsets.dtype} on {offsets.device}")
     shape = (rows.shape[0], weights.shape[1])
-    if out is None:
-        out = torch.empty(shape, dtype=rows.dtype, device=rows.device)
-    elif out.shape != shape or out.dtype != rows.dtype or out.device != rows.device or out.stride(-1) != 1:
+    if out is not None and (out.shape != shape or out.dtype != rows.dtype or out.device != rows.device
+                            or out.stride(-1) != 1):
         raise ValueError(f"out must be {rows.dtype} {list(shape)} on {rows.device} with unit column stride, got "
                          f"{out.dtype} {list(out.shape)} on {out.device}")
+    return _launch_grouped_gemv(rows, weights, offsets, out)
+
+
+def _launch_grouped_gemv(rows, weights, offsets, out=None):
+    """``grouped_gemv`` on operands already checked (``grouped_gemv_serves``, offsets from a routing plan)."""
+    if out is None:
+        out = torch.empty(rows.shape[0], weights.shape[1], dtype=rows.dtype, device=rows.device)
     if rows.shape[0] == 0:
         return out
     with torch.cuda.device(rows.device):
@@ -147,7 +153,7 @@ def _compile_grouped_gemv():
 def _expert_projection(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     if (rows.shape[0] <= GEMV_MAX_PAIRS and grouped_gemv_serves(rows, weights)
             and gemv_pays(rows.shape[0], weights.shape[0], weights.shape[1], sm_count(rows.device))):
-        return grouped_gemv(rows, weights, offsets)
+        return _launch_grouped_gemv(rows, weights, offsets)
     return _grouped_mm(rows, weights.transpose(-2, -1), offsets)
 
 

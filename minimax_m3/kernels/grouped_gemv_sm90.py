@@ -25,13 +25,10 @@ class GroupedGemvSm90:
 
     warps = 2
     columns_per_warp = 4
+    columns_per_cta = warps * columns_per_warp
     rows_per_pass = 2
     unroll = 4
     vector = 8  # bf16 elements per 16-byte load
-
-    @property
-    def columns_per_cta(self) -> int:
-        return self.warps * self.columns_per_warp
 
     @cute.jit
     def __call__(
