@@ -1,5 +1,5 @@
-"""Compile the model's CuTe DSL kernels (SM90 sparse attention: prefill and split-KV decode; the decode experts'
-grouped GEMV) for sm_90a without a GPU: ``python -m minimax_m3.compile_check``.
+"""Compile the model's CuTe DSL kernels (SM90 sparse attention: prefill and split-KV decode; the decode step's
+grouped GEMV of the experts and the router) for sm_90a without a GPU: ``python -m minimax_m3.compile_check``.
 
 Prints the wgmma kinds in their PTX (``bf16.bf16``) and, when ``ptxas`` is on PATH, registers and spills; exits
 non-zero on a compile failure, spills, serialised wgmmas or a setmaxnreg budget beyond the launch allocation.
@@ -13,7 +13,7 @@ from indexer.compile_check import run_compile_check
 
 
 def variants():
-    from .kernels.grouped_gemv_sm90 import GroupedGemvSm90
+    from .kernels.grouped_gemv_sm90 import CONFIGURATIONS, GroupedGemvSm90
     from .kernels.signatures import (grouped_gemv_arguments, sparse_attention_fake_arguments,
                                      sparse_decode_attention_arguments)
     from .kernels.sparse_attention_sm90 import SparseAttentionSm90
@@ -21,7 +21,8 @@ def variants():
     yield ("sparse_attention_sm90_g16", SparseAttentionSm90(16), sparse_attention_fake_arguments(), "bf16.bf16")
     yield ("sparse_decode_attention_sm90_g16", SparseAttentionSm90(16, decode=True), sparse_decode_attention_arguments(),
            "bf16.bf16")
-    yield ("grouped_gemv_sm90", GroupedGemvSm90(), grouped_gemv_arguments(), None)
+    for name, configuration in CONFIGURATIONS.items():
+        yield (f"grouped_gemv_sm90_{name}", GroupedGemvSm90(**configuration), grouped_gemv_arguments(name), None)
 
 
 def main(argv=None) -> int:

@@ -18,12 +18,12 @@ from typing import Optional
 import torch
 from transformers.integrations.moe import ExpertsInterface, _grouped_mm
 
-from indexer.cute_runtime import compile_once, compile_tvm_ffi, dsl_available, sm_count
+from indexer.cute_runtime import compile_once, compile_tvm_ffi, dsl_available
 
 from .fusion import compiled, fuse
 
-__all__ = ["EXPERTS_FUNCTIONS", "GEMV_MAX_PAIRS", "gemv_pays", "grouped_gemv", "grouped_gemv_serves",
-           "grouped_mm_experts_forward",
+__all__ = ["EXPERTS_FUNCTIONS", "GEMV_MAX_PAIRS", "ROUTER_GEMV_MAX_TOKENS", "gemv_pays", "grouped_gemv",
+           "grouped_gemv_serves", "grouped_mm_experts_forward", "router_logits",
            "routing_plan_by_counting", "routing_plan_by_sorting", "weighted_token_sum"]
 
 
@@ -77,36 +77,41 @@ def routing_plan_by_counting(top_k_index: torch.Tensor, num_experts: int):
 GEMV_MAX_PAIRS = 64
 """At most this many (token, expert) pairs (decode steps of up to 16 tokens at top-4) may take the grouped GEMV
 kernel (``grouped_gemv``, where ``gemv_pays``); more take transformers' grouped GEMM."""
-GEMV_MIN_CTAS_PER_SM = 4
-"""The GEMV streams each weight row from one warp: with fewer CTAs than this per SM it leaves bandwidth unused."""
+GEMV_SPLIT_K_MIN_DEPTH = 1024
+"""From this input width on the GEMV splits K over four warps per column group (``experts_split_k``): below it the
+split warps would have a vector or less each."""
+ROUTER_GEMV_MAX_TOKENS = 4
+"""Up to this many tokens (one pass of the router configuration's rows) the router's logits come from the GEMV
+kernel; at 16 tokens cuBLAS was faster (docs/PERFORMANCE.md)."""
 
 
-def gemv_pays(pairs: int, num_experts: int, columns: int, num_sms: int) -> bool:
-    """Whether a projection of ``pairs`` rows over ``num_experts`` experts of ``columns`` outputs is faster by the
-    grouped GEMV than by the grouped GEMM, by the rule its measurements set (H100, docs/PERFORMANCE.md): at most
-    ``GEMV_MAX_PAIRS`` pairs; on average at most one pass of rows per active expert (more passes re-read the weight);
-    and enough CTAs (output column blocks times active experts) to fill the SMs. Every measured case it admits took
-    11-44 % less time than the grouped GEMM (M3's width at 1, 4 and 16 tokens; the presets' down projection at 1 and
-    4); every case it refuses was slower or at most 9 % faster by the GEMV (the presets' 512-wide gate_up, and their
-    down projection at 16 tokens, 8 rows per expert)."""
-    from .kernels.grouped_gemv_sm90 import GroupedGemvSm90
+def gemv_pays(pairs: int, num_experts: int) -> bool:
+    """Whether a projection of ``pairs`` rows over ``num_experts`` experts is faster by the grouped GEMV than by the
+    grouped GEMM, by the rule its measurements set (H100, docs/PERFORMANCE.md): at most ``GEMV_MAX_PAIRS`` pairs, and
+    on average at most one pass of rows per expert (more passes re-read the weight). Every measured case it admits
+    took 10-60 % less time than the grouped GEMM (M3's width at 1, 4 and 16 tokens; the presets' 4 experts of 256 at
+    1 and 4 tokens, both projections); every case it refuses was slower by the GEMV (the presets at 16 tokens, 8 rows
+    per expert)."""
+    from .kernels.grouped_gemv_sm90 import CONFIGURATIONS
 
-    slots = min(num_experts, pairs)
-    column_blocks = -(-columns // GroupedGemvSm90.columns_per_cta)
-    return (0 < pairs <= GEMV_MAX_PAIRS and pairs <= GroupedGemvSm90.rows_per_pass * num_experts
-            and column_blocks * slots >= GEMV_MIN_CTAS_PER_SM * num_sms)
+    rows_per_pass = CONFIGURATIONS["experts"]["rows_per_pass"]
+    return 0 < pairs <= GEMV_MAX_PAIRS and pairs <= rows_per_pass * num_experts
+
+
+def _gemv_operands_ok(rows: torch.Tensor, weights: torch.Tensor) -> bool:
+    return (type(rows.data) is torch.Tensor and type(weights.data) is torch.Tensor  # not a tensor-parallel shard
+            and rows.is_cuda and rows.dtype == torch.bfloat16 and weights.device == rows.device
+            and dsl_available() and torch.cuda.get_device_capability(rows.device)[0] == 9
+            and rows.shape[-1] % 8 == 0 and weights.shape[-1] == rows.shape[-1]
+            and rows.is_contiguous() and weights.is_contiguous()
+            and rows.data_ptr() % 16 == 0 and weights.data_ptr() % 16 == 0
+            and not (torch.is_grad_enabled() and (rows.requires_grad or weights.requires_grad)))
 
 
 def grouped_gemv_serves(rows: torch.Tensor, weights: torch.Tensor) -> bool:
     """Whether ``grouped_gemv`` takes these operands: bf16 on an SM90 GPU with the CuTe DSL, rows of a multiple of 8
     elements, 16-byte aligned and contiguous, and no gradient to record."""
-    return (type(rows.data) is torch.Tensor and type(weights.data) is torch.Tensor  # not a tensor-parallel shard
-            and rows.is_cuda and rows.dtype == weights.dtype == torch.bfloat16 and weights.device == rows.device
-            and dsl_available() and torch.cuda.get_device_capability(rows.device)[0] == 9
-            and rows.shape[-1] % 8 == 0 and weights.shape[-1] == rows.shape[-1] and weights.shape[-2] % 8 == 0
-            and rows.is_contiguous() and weights.is_contiguous()
-            and rows.data_ptr() % 16 == 0 and weights.data_ptr() % 16 == 0
-            and not (torch.is_grad_enabled() and (rows.requires_grad or weights.requires_grad)))
+    return weights.dtype == torch.bfloat16 and weights.shape[-2] % 8 == 0 and _gemv_operands_ok(rows, weights)
 
 
 def grouped_gemv(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
@@ -137,22 +142,37 @@ def _launch_grouped_gemv(rows, weights, offsets, out=None):
         out = torch.empty(rows.shape[0], weights.shape[1], dtype=rows.dtype, device=rows.device)
     if rows.shape[0] == 0:
         return out
-    with torch.cuda.device(rows.device):
-        kernel = compile_once(("grouped_gemv_sm90",), _compile_grouped_gemv)
-    kernel(rows, weights, offsets, out)
+    configuration = "experts_split_k" if rows.shape[1] >= GEMV_SPLIT_K_MIN_DEPTH else "experts"
+    _gemv_kernel(rows.device, configuration)(rows, weights, offsets, out)
     return out
 
 
-def _compile_grouped_gemv():
-    from .kernels.grouped_gemv_sm90 import GroupedGemvSm90
+def _gemv_kernel(device: torch.device, configuration: str):
+    from .kernels.grouped_gemv_sm90 import CONFIGURATIONS, GroupedGemvSm90
     from .kernels.signatures import grouped_gemv_arguments
 
-    return compile_tvm_ffi(GroupedGemvSm90(), grouped_gemv_arguments())
+    with torch.cuda.device(device):
+        return compile_once(("grouped_gemv_sm90", configuration), lambda: compile_tvm_ffi(
+            GroupedGemvSm90(**CONFIGURATIONS[configuration]), grouped_gemv_arguments(configuration)))
+
+
+def router_logits(gate: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The router's fp32 logits ``[T, E]`` of ``x [T, hidden]``: ``gate(x.float())``. For up to
+    ``ROUTER_GEMV_MAX_TOKENS`` bf16 tokens on SM90 by the GEMV kernel (fp32 weights and sums; 5-10 us less than
+    the cast and cuBLAS's split-K GEMM and its reduction), unless the module is not a plain ``nn.Linear`` with an fp32
+    weight or carries hooks (offloading brings its weight in one), which keep the module call."""
+    weight = gate.weight
+    if (x.dim() == 2 and 0 < x.shape[0] <= ROUTER_GEMV_MAX_TOKENS and type(gate) is torch.nn.Linear
+            and gate.bias is None and not gate._forward_pre_hooks and not gate._forward_hooks
+            and weight.dtype == torch.float32 and _gemv_operands_ok(x, weight)):
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+        _gemv_kernel(x.device, "router")(x, weight.unsqueeze(0), None, out)
+        return out
+    return gate(x.to(weight.dtype)).float()
 
 
 def _expert_projection(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    if (rows.shape[0] <= GEMV_MAX_PAIRS and grouped_gemv_serves(rows, weights)
-            and gemv_pays(rows.shape[0], weights.shape[0], weights.shape[1], sm_count(rows.device))):
+    if gemv_pays(rows.shape[0], weights.shape[0]) and grouped_gemv_serves(rows, weights):
         return _launch_grouped_gemv(rows, weights, offsets)
     return _grouped_mm(rows, weights.transpose(-2, -1), offsets)
 

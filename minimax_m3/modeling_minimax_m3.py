@@ -30,7 +30,7 @@ from .cache import MiniMaxM3Cache, MiniMaxM3StaticCache
 from .configuration_minimax_m3 import DENSE_MLP, SILU_AND_MUL, SPARSE_ATTENTION, MiniMaxM3Config
 from .decode_graphs import DecodeGraph, decode_graph_obstacle
 from .dense_attention import ALL_ATTENTION_FUNCTIONS, check_served, dense_attention, eager_attention_forward
-from .experts import EXPERTS_FUNCTIONS
+from .experts import EXPERTS_FUNCTIONS, router_logits
 from .fusion import compiled, fuse
 from .packed_projections import ProjectionGroup
 from .streams import run_branches
@@ -287,8 +287,8 @@ class MiniMaxM3SparseMoeBlock(nn.Module):
     def route(self, x: torch.Tensor):
         """``(expert ids [T, k], weights [T, k] fp32, router logits [T, E] fp32)``; the router stays fp32 whatever
         the model dtype."""
-        # through the module, so offload hooks bring its weight (fp32 as loaded: _keep_in_fp32_modules)
-        logits = self.gate(x.to(self.gate.weight.dtype)).float()
+        # fp32 as loaded (_keep_in_fp32_modules); a hooked module is called (offload hooks bring its weight)
+        logits = router_logits(self.gate, x)
         choose = compiled("route_weights", route_weights) if fuse(logits) else route_weights
         chosen, weights = choose(logits, self.e_score_correction_bias.float(), self.config.num_experts_per_tok,
                                  self.config.routed_scaling_factor)

@@ -1,10 +1,11 @@
-"""The decode experts' grouped GEMV kernel against an fp32 reference and against transformers' grouped GEMM."""
+"""The decode step's grouped GEMV kernel (experts and router) against fp32 / float64 references, transformers'\ngrouped GEMM and the router module."""
 
 import pytest
 import torch
 from transformers.integrations.moe import _grouped_mm
 
-from minimax_m3.experts import grouped_gemv, routing_plan_by_counting
+from minimax_m3 import experts as experts_module
+from minimax_m3.experts import grouped_gemv, router_logits, routing_plan_by_counting
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,10 +26,11 @@ def reference(rows, weights, offsets):
 
 
 @pytest.mark.parametrize("experts, columns, depth, counts", [
-    (4, 512, 6144, [1, 0, 2, 5]),  # the presets' gate_up: an empty expert, one of more rows than a pass
-    (4, 6144, 256, [2, 2, 2, 2]),  # their down projection
+    (4, 512, 6144, [1, 0, 2, 5]),  # the presets' gate_up (K split): an empty expert, one of more rows than a pass
+    (4, 6144, 256, [2, 2, 2, 2]),  # their down projection (one warp per column group)
     (128, 6144, 3072, None),  # M3's down projection, 16 random pairs over 128 experts (several ballot chunks)
     (40, 1000, 136, [0] * 33 + [1, 3, 0, 9, 1, 0, 1]),  # widths that fill no CTA's columns evenly
+    (6, 1000, 1032, [0, 3, 1, 0, 4, 1]),  # K split with a last round of one vector, odd column blocks
 ])
 def test_grouped_gemv_matches_the_fp32_reference_and_writes_nothing_else(experts, columns, depth, counts):
     generator = torch.Generator(device="cuda").manual_seed(experts + columns)
@@ -68,7 +70,6 @@ def test_inconsistent_offsets_are_clamped_and_nothing_outside_the_output_is_writ
 
 
 def test_the_experts_forward_with_the_gemv_where_it_pays_equals_the_grouped_gemm_path():
-    from minimax_m3 import experts as experts_module
     from minimax_m3.bench_prefill import geometry_config
     from minimax_m3.modeling_minimax_m3 import MiniMaxM3Experts
 
@@ -90,3 +91,49 @@ def test_the_experts_forward_with_the_gemv_where_it_pays_equals_the_grouped_gemm
             experts_module.GEMV_MAX_PAIRS = limit
     # the gated activations are rounded to bf16 between the projections, by either path
     torch.testing.assert_close(gemv.float(), grouped.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("tokens, experts", [(1, 4), (4, 4), (3, 128), (4, 136), (2, 5)])
+def test_the_router_gemv_matches_a_float64_reference_and_writes_nothing_else(tokens, experts, monkeypatch):
+    generator = torch.Generator(device="cuda").manual_seed(tokens * experts)
+    weight = torch.randn(experts, 6144, generator=generator, device="cuda") * 0.02
+    guarded = torch.full((tokens + 2, 6144), float("nan"), device="cuda", dtype=torch.bfloat16)
+    x = guarded[1:-1]
+    x.copy_(torch.randn(tokens, 6144, generator=generator, device="cuda"))
+    target = torch.full((tokens + 2, experts), float("nan"), device="cuda", dtype=torch.float32)
+    experts_module._gemv_kernel(x.device, "router")(x, weight.unsqueeze(0), None, target[1:-1])
+    expected = x.double() @ weight.double().T
+    assert target[0].isnan().all() and target[-1].isnan().all() and not target[1:-1].isnan().any()
+    torch.testing.assert_close(target[1:-1].double(), expected, rtol=1e-5, atol=1e-5)
+    gate = torch.nn.Linear(6144, experts, bias=False, device="cuda")
+    gate.weight.data.copy_(weight)
+    launched = []
+    kernel = experts_module._gemv_kernel
+    monkeypatch.setattr(experts_module, "_gemv_kernel", lambda *args: launched.append(args[1]) or kernel(*args))
+    with torch.no_grad():
+        torch.testing.assert_close(router_logits(gate, x).double(), expected, rtol=1e-5, atol=1e-5)
+    assert launched == ["router"]
+
+
+def test_more_tokens_than_a_router_pass_take_the_modules_product():
+    gate = torch.nn.Linear(6144, 4, bias=False, device="cuda")
+    x = torch.randn(experts_module.ROUTER_GEMV_MAX_TOKENS + 1, 6144, device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(router_logits(gate, x), gate(x.float()))
+
+
+def test_a_decode_steps_routing_by_the_gemv_equals_the_modules():
+    from minimax_m3.bench_prefill import geometry_config
+    from minimax_m3.modeling_minimax_m3 import MiniMaxM3SparseMoeBlock
+
+    config = geometry_config(1, tiny=False, real_moe=True)
+    block = MiniMaxM3SparseMoeBlock(config).cuda()
+    torch.nn.init.normal_(block.gate.weight, std=0.02)
+    x = torch.randn(4, config.hidden_size, device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        chosen, weights, logits = block.route(x)
+        block.gate.register_forward_pre_hook(lambda module, args: None)  # hooked: the module's cuBLAS product
+        chosen_blas, weights_blas, logits_blas = block.route(x)
+    torch.testing.assert_close(logits, logits_blas, rtol=1e-5, atol=1e-5)
+    assert torch.equal(chosen, chosen_blas)
+    torch.testing.assert_close(weights, weights_blas, rtol=1e-5, atol=1e-6)
