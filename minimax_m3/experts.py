@@ -8,7 +8,8 @@ expert parallelism): 12.5 ms of a 32K-token real-width layer pair on the H200. `
 other functions are transformers' own; ``eager`` is the experts module's loop. The pairs are put in expert order
 by a sort, or for decode-sized batches by counting, in one compiled kernel instead of a sort's ten. In decode
 steps on SM90 a projection that ``gemv_pays`` for is the grouped GEMV kernel instead of the grouped GEMM: a few rows
-per expert leave the GEMM's tiles mostly idle, the GEMV reads each active expert's weight once.
+per expert leave the GEMM's tiles mostly idle, the GEMV reads each active expert's weight once. The same kernel
+computes the router's fp32 logits for a few tokens (``router_logits``).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def gemv_pays(pairs: int, num_experts: int) -> bool:
     """Whether a projection of ``pairs`` rows over ``num_experts`` experts is faster by the grouped GEMV than by the
     grouped GEMM, by the rule its measurements set (H100, docs/PERFORMANCE.md): at most ``GEMV_MAX_PAIRS`` pairs, and
     on average at most one pass of rows per expert (more passes re-read the weight). Every measured case it admits
-    took 10-60 % less time than the grouped GEMM (M3's width at 1, 4 and 16 tokens; the presets' 4 experts of 256 at
+    took 11-59 % less time than the grouped GEMM (M3's width at 1, 4 and 16 tokens; the presets' 4 experts of 256 at
     1 and 4 tokens, both projections); every case it refuses was slower by the GEMV (the presets at 16 tokens, 8 rows
     per expert)."""
     from .kernels.grouped_gemv_sm90 import CONFIGURATIONS
