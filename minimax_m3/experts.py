@@ -159,7 +159,7 @@ def _gemv_kernel(device: torch.device, configuration: str):
 
 def router_logits(gate: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """The router's fp32 logits ``[T, E]`` of ``x [T, hidden]``: ``gate(x.float())``. For up to
-    ``ROUTER_GEMV_MAX_TOKENS`` bf16 tokens on SM90 by the GEMV kernel (fp32 weights and sums; 5-10 us less than
+    ``ROUTER_GEMV_MAX_TOKENS`` bf16 tokens on SM90 by the GEMV kernel (fp32 weights and sums; 5-9 us less than
     the cast and cuBLAS's split-K GEMM and its reduction), unless the module is not a plain ``nn.Linear`` with an fp32
     weight or carries hooks (offloading brings its weight in one), which keep the module call."""
     weight = gate.weight
