@@ -172,7 +172,7 @@ CONFIGURATIONS = {
     # (H100, docs/PERFORMANCE.md) one warp per column group where K is short (the presets' 256-wide experts' down
     # projection: 8.6 us against 11.8 split four ways at 1 token)
     "experts": dict(columns_per_warp=4, k_splits=1, column_groups=2, rows_per_pass=2),
-    # K split over four warps from 1,024 elements on: 1.7-2.4x faster on the presets' 512-wide gate_up, 1-3 % at M3's width
+    # K split over four warps from 1,024 elements on: 1.7-2.4x faster on the presets' 512-wide gate_up, 2-4 % at M3's width
     "experts_split_k": dict(columns_per_warp=4, k_splits=4, column_groups=2, rows_per_pass=2),
     # fp32 weights, one weight for every row: a router's logits for up to four tokens in one pass
     "router": dict(columns_per_warp=1, k_splits=8, column_groups=1, rows_per_pass=4),
