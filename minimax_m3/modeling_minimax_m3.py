@@ -386,9 +386,10 @@ class MiniMaxM3Attention(nn.Module):
                                  index_dtype=index_dtype)[:, 0]
 
     def cache_index_keys_and_select(self, x, cos, sin, cache: MiniMaxM3Cache, metadata: ForwardMetadata,
-                                    page_selector: PageSelector) -> Optional[torch.Tensor]:
+                                    page_selector: PageSelector, projected=None) -> Optional[torch.Tensor]:
         """Write the new tokens' index keys to the cache and, in sparse mode, return the indexer's page selection
-        (dense mode computes no index queries: only the cache, which a later sparse forward reads, needs the keys)."""
+        (dense mode computes no index queries: only the cache, which a later sparse forward reads, needs the keys).
+        ``projected``: the index projections of ``x`` when the caller made them (sparse mode)."""
         c = self.config
         # the selection is discrete, so no gradient reaches the indexer through it (it trains on a KL of its
         # scores, through index_query_key); without a graph the index path also stays off autograd under training
@@ -396,7 +397,9 @@ class MiniMaxM3Attention(nn.Module):
             if c.attention_mode != "sparse":
                 index_q, index_k = None, self.index_key(x, cos, sin, index_dtype=c.index_dtype)
             else:
-                index_q, index_k = self.index_query_key(x, cos, sin, index_dtype=c.index_dtype)
+                query, key = projected or self.input_projections(self, x, ("index_q_proj", "index_k_proj"))
+                index_q = self._normed_index_query(query, cos, sin, c.index_dtype)
+                index_k = self._normed_index_key(key, cos, sin, c.index_dtype)
             cache.write("index_keys", self.layer_idx, index_k, metadata.batch_index, metadata.positions)
             if index_q is None:
                 return None
@@ -413,10 +416,16 @@ class MiniMaxM3Attention(nn.Module):
             return q, keys, values
 
         if self.is_sparse:
+            projected = None
+            if self.config.attention_mode == "sparse" and torch.cuda.is_current_stream_capturing():
+                # the index projection before the branches, alone: beside attention's projection both read
+                # weights at once and the small one took 4x its time, the longer branch's first step
+                with torch.no_grad():
+                    projected = tuple(self.input_projections(self, x, ("index_q_proj", "index_k_proj")))
             # the index path shares nothing with attention's projections until attention reads the selection: in a
             # captured decode step the two run side by side (``streams``)
             selection, (q, keys, values) = run_branches(
-                lambda: self.cache_index_keys_and_select(x, cos, sin, cache, metadata, page_selector),
+                lambda: self.cache_index_keys_and_select(x, cos, sin, cache, metadata, page_selector, projected),
                 attention_inputs, x.device)
         else:
             selection = None
