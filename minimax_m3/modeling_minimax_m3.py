@@ -417,7 +417,7 @@ class MiniMaxM3Attention(nn.Module):
 
         if self.is_sparse:
             projected = None
-            if self.config.attention_mode == "sparse" and torch.cuda.is_current_stream_capturing():
+            if self.config.attention_mode == "sparse" and x.is_cuda and torch.cuda.is_current_stream_capturing():
                 # the index projection before the branches, alone: beside attention's projection both read
                 # weights at once and the small one took 4x its time, the longer branch's first step
                 with torch.no_grad():
