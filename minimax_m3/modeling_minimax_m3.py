@@ -26,6 +26,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from indexer import score_row_pitch
 
+from .attention_inputs import write_decode_attention_inputs
 from .cache import MiniMaxM3Cache, MiniMaxM3StaticCache
 from .configuration_minimax_m3 import DENSE_MLP, SILU_AND_MUL, SPARSE_ATTENTION, MiniMaxM3Config
 from .decode_graphs import DecodeGraph, decode_graph_obstacle
@@ -346,9 +347,14 @@ class MiniMaxM3Attention(nn.Module):
         """Attention ``q [T, heads, D]``, ``k`` and ``v [T, kv_heads, D]`` of the packed layer input ``x [T, hidden]``
         (after ``input_layernorm``): q and k normed (``use_qk_norm``) and rotated, as attention reads them. The
         head counts are the projections' (under tensor parallelism a rank's share of them)."""
+        return self._normed_and_rotated(*self._projected_query_key_value(x), cos, sin)
+
+    def _projected_query_key_value(self, x: torch.Tensor):
         tokens = x.shape[0]
-        q, k, v = (projection.view(tokens, -1, self.head_dim)
-                   for projection in self.input_projections(self, x, ("q_proj", "k_proj", "v_proj")))
+        return tuple(projection.view(tokens, -1, self.head_dim)
+                     for projection in self.input_projections(self, x, ("q_proj", "k_proj", "v_proj")))
+
+    def _normed_and_rotated(self, q, k, v, cos, sin):
         if self.config.use_qk_norm:
             q, k = norm_and_rope(self.q_norm, q, cos, sin), norm_and_rope(self.k_norm, k, cos, sin)
         else:
@@ -410,7 +416,11 @@ class MiniMaxM3Attention(nn.Module):
         tokens = x.shape[0]
 
         def attention_inputs():
-            q, k, v = self.query_key_value(x, cos, sin)
+            q, k, v = self._projected_query_key_value(x)
+            written = write_decode_attention_inputs(self, q, k, v, cos, sin, cache, metadata)
+            if written is not None:  # a decode step: norms, RoPE and both cache writes in one kernel
+                return written
+            q, k, v = self._normed_and_rotated(q, k, v, cos, sin)
             keys = cache.write("keys", self.layer_idx, k, metadata.batch_index, metadata.positions)
             values = cache.write("values", self.layer_idx, v, metadata.batch_index, metadata.positions)
             return q, keys, values
