@@ -58,8 +58,9 @@ def test_the_fused_inputs_match_the_unfused_path_and_write_only_their_slots(head
     values = torch.full_like(keys, float("nan"))
     batch_index = torch.tensor([0, 2, 2, 1, 0], device="cuda")
     positions = torch.tensor([7, 0, 39, 12, 8], device="cuda")
-    written = attention_inputs.write_decode_attention_inputs(attention, q, k, v, cos, sin, Cache(keys, values),
-                                                             Metadata(batch_index, positions))
+    with torch.no_grad():
+        written = attention_inputs.write_decode_attention_inputs(attention, q, k, v, cos, sin, Cache(keys, values),
+                                                                 Metadata(batch_index, positions))
     assert written is not None
     q_out, keys_out, values_out = written
     assert keys_out is keys and values_out is values
@@ -81,8 +82,10 @@ def test_a_slot_outside_the_cache_is_not_written():
     values = torch.full_like(keys, float("nan"))
     angles = torch.rand(2, 32, device="cuda")
     metadata = Metadata(torch.tensor([0, 1], device="cuda"), torch.tensor([8, 3], device="cuda"))
-    attention_inputs.write_decode_attention_inputs(attention, q, k, v, angles.cos(), angles.sin(),
-                                                   Cache(keys, values), metadata)
+    with torch.no_grad():
+        written = attention_inputs.write_decode_attention_inputs(attention, q, k, v, angles.cos(), angles.sin(),
+                                                                 Cache(keys, values), metadata)
+    assert written is not None
     torch.cuda.synchronize()
     assert keys.isnan().all() and values.isnan().all()
 
