@@ -235,6 +235,14 @@ class MiniMaxM3Cache(Cache):
         held[batch_index, positions] = values
         return held
 
+    def allocated_store(self, store_name: str, layer_idx: int, like: torch.Tensor) -> Optional[torch.Tensor]:
+        """The layer's whole store ``store_name`` when it is allocated in ``like``'s dtype on its device (what
+        ``write`` would write into without re-allocating), else None."""
+        held = getattr(self.layers[layer_idx], store_name)
+        if held is None or held.dtype != like.dtype or held.device != like.device:
+            return None
+        return held
+
     def advance(self, new_lengths: list, columns: int) -> None:
         """After every layer has written the new tokens (``columns`` input positions, padding included)."""
         self._set_lengths([length + extra for length, extra in zip(self.lengths, new_lengths)])

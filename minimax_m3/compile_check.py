@@ -1,5 +1,6 @@
 """Compile the model's CuTe DSL kernels (SM90 sparse attention: prefill and split-KV decode; the decode step's
-grouped GEMV of the experts and the router) for sm_90a without a GPU: ``python -m minimax_m3.compile_check``.
+grouped GEMV of the experts and the router, and its attention inputs' norms, RoPE and cache writes) for sm_90a
+without a GPU: ``python -m minimax_m3.compile_check``.
 
 Prints the wgmma kinds in their PTX (``bf16.bf16``) and, when ``ptxas`` is on PATH, registers and spills; exits
 non-zero on a compile failure, spills, serialised wgmmas or a setmaxnreg budget beyond the launch allocation.
@@ -14,7 +15,8 @@ from indexer.compile_check import run_compile_check
 
 def variants():
     from .kernels.grouped_gemv_sm90 import CONFIGURATIONS, GroupedGemvSm90
-    from .kernels.signatures import (grouped_gemv_arguments, sparse_attention_fake_arguments,
+    from .kernels.qk_norm_rope_sm90 import QkNormRopeSm90
+    from .kernels.signatures import (grouped_gemv_arguments, qk_norm_rope_arguments, sparse_attention_fake_arguments,
                                      sparse_decode_attention_arguments)
     from .kernels.sparse_attention_sm90 import SparseAttentionSm90
 
@@ -23,6 +25,8 @@ def variants():
            "bf16.bf16")
     for name, configuration in CONFIGURATIONS.items():
         yield (f"grouped_gemv_sm90_{name}", GroupedGemvSm90(**configuration), grouped_gemv_arguments(name), None)
+    # M3's attention geometry: 64 query and 4 KV heads of 128, 64 rotated dims, Gemma's norm
+    yield ("qk_norm_rope_sm90", QkNormRopeSm90(64, 4, 128, 32, 1.0), qk_norm_rope_arguments(), None)
 
 
 def main(argv=None) -> int:

@@ -26,6 +26,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from indexer import score_row_pitch
 
+from .attention_inputs import write_decode_attention_inputs
 from .cache import MiniMaxM3Cache, MiniMaxM3StaticCache
 from .configuration_minimax_m3 import DENSE_MLP, SILU_AND_MUL, SPARSE_ATTENTION, MiniMaxM3Config
 from .decode_graphs import DecodeGraph, decode_graph_obstacle
@@ -346,9 +347,14 @@ class MiniMaxM3Attention(nn.Module):
         """Attention ``q [T, heads, D]``, ``k`` and ``v [T, kv_heads, D]`` of the packed layer input ``x [T, hidden]``
         (after ``input_layernorm``): q and k normed (``use_qk_norm``) and rotated, as attention reads them. The
         head counts are the projections' (under tensor parallelism a rank's share of them)."""
+        return self._normed_and_rotated(*self._projected_query_key_value(x), cos, sin)
+
+    def _projected_query_key_value(self, x: torch.Tensor):
         tokens = x.shape[0]
-        q, k, v = (projection.view(tokens, -1, self.head_dim)
-                   for projection in self.input_projections(self, x, ("q_proj", "k_proj", "v_proj")))
+        return tuple(projection.view(tokens, -1, self.head_dim)
+                     for projection in self.input_projections(self, x, ("q_proj", "k_proj", "v_proj")))
+
+    def _normed_and_rotated(self, q, k, v, cos, sin):
         if self.config.use_qk_norm:
             q, k = norm_and_rope(self.q_norm, q, cos, sin), norm_and_rope(self.k_norm, k, cos, sin)
         else:
@@ -386,9 +392,10 @@ class MiniMaxM3Attention(nn.Module):
                                  index_dtype=index_dtype)[:, 0]
 
     def cache_index_keys_and_select(self, x, cos, sin, cache: MiniMaxM3Cache, metadata: ForwardMetadata,
-                                    page_selector: PageSelector) -> Optional[torch.Tensor]:
+                                    page_selector: PageSelector, projected=None) -> Optional[torch.Tensor]:
         """Write the new tokens' index keys to the cache and, in sparse mode, return the indexer's page selection
-        (dense mode computes no index queries: only the cache, which a later sparse forward reads, needs the keys)."""
+        (dense mode computes no index queries: only the cache, which a later sparse forward reads, needs the keys).
+        ``projected``: the index projections of ``x`` when the caller made them (sparse mode)."""
         c = self.config
         # the selection is discrete, so no gradient reaches the indexer through it (it trains on a KL of its
         # scores, through index_query_key); without a graph the index path also stays off autograd under training
@@ -396,7 +403,9 @@ class MiniMaxM3Attention(nn.Module):
             if c.attention_mode != "sparse":
                 index_q, index_k = None, self.index_key(x, cos, sin, index_dtype=c.index_dtype)
             else:
-                index_q, index_k = self.index_query_key(x, cos, sin, index_dtype=c.index_dtype)
+                query, key = projected or self.input_projections(self, x, ("index_q_proj", "index_k_proj"))
+                index_q = self._normed_index_query(query, cos, sin, c.index_dtype)
+                index_k = self._normed_index_key(key, cos, sin, c.index_dtype)
             cache.write("index_keys", self.layer_idx, index_k, metadata.batch_index, metadata.positions)
             if index_q is None:
                 return None
@@ -407,16 +416,26 @@ class MiniMaxM3Attention(nn.Module):
         tokens = x.shape[0]
 
         def attention_inputs():
-            q, k, v = self.query_key_value(x, cos, sin)
+            q, k, v = self._projected_query_key_value(x)
+            written = write_decode_attention_inputs(self, q, k, v, cos, sin, cache, metadata)
+            if written is not None:  # a decode step: norms, RoPE and both cache writes in one kernel
+                return written
+            q, k, v = self._normed_and_rotated(q, k, v, cos, sin)
             keys = cache.write("keys", self.layer_idx, k, metadata.batch_index, metadata.positions)
             values = cache.write("values", self.layer_idx, v, metadata.batch_index, metadata.positions)
             return q, keys, values
 
         if self.is_sparse:
+            projected = None
+            if self.config.attention_mode == "sparse" and x.is_cuda and torch.cuda.is_current_stream_capturing():
+                # the index projection before the branches, alone: beside attention's projection both read
+                # weights at once and the small one took 4x its time, the longer branch's first step
+                with torch.no_grad():
+                    projected = tuple(self.input_projections(self, x, ("index_q_proj", "index_k_proj")))
             # the index path shares nothing with attention's projections until attention reads the selection: in a
             # captured decode step the two run side by side (``streams``)
             selection, (q, keys, values) = run_branches(
-                lambda: self.cache_index_keys_and_select(x, cos, sin, cache, metadata, page_selector),
+                lambda: self.cache_index_keys_and_select(x, cos, sin, cache, metadata, page_selector, projected),
                 attention_inputs, x.device)
         else:
             selection = None

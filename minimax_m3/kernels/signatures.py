@@ -8,7 +8,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-__all__ = ["sparse_attention_fake_arguments", "sparse_decode_attention_arguments", "grouped_gemv_arguments"]
+__all__ = ["sparse_attention_fake_arguments", "sparse_decode_attention_arguments", "grouped_gemv_arguments",
+           "qk_norm_rope_arguments"]
 
 SCALE = 0.08838834764831845
 
@@ -67,3 +68,26 @@ def grouped_gemv_arguments(configuration: str):
     offsets = make_fake_tensor(cutlass.Int32, (experts,), (1,), assumed_align=4) if grouped else None
     out = make_fake_tensor(out_dtype, (rows, columns), (cute.sym_int64(), 1), assumed_align=out_dtype.width // 8)
     return x, w, offsets, out, make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def qk_norm_rope_arguments(num_heads: int = 64, num_kv_heads: int = 4, head_dim: int = 128, rotary_half: int = 32):
+    """Fake tensors for ``QkNormRopeSm90.__call__`` (TVM-FFI calls): q, k and v ``[T, H, D]`` bf16 with a dynamic
+    row stride (column slices of one packed projection), the norms' bf16 weights ``[D]``, cos and sin ``[T, half]``
+    fp32, the slots ``[T]`` int64, q's output ``[T, Hq, D]`` and the cache ``[B, capacity, Hkv, D]``."""
+    tokens, batch, capacity = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+
+    def projected(heads):
+        return make_fake_tensor(cutlass.BFloat16, (tokens, heads, head_dim), (cute.sym_int64(), head_dim, 1),
+                                assumed_align=2)
+
+    weight = make_fake_tensor(cutlass.BFloat16, (head_dim,), (1,), assumed_align=2)
+    angles = make_fake_tensor(cutlass.Float32, (tokens, rotary_half), (rotary_half, 1), assumed_align=4)
+    slots = make_fake_tensor(cutlass.Int64, (tokens,), (1,), assumed_align=8)
+    q_out = make_fake_tensor(cutlass.BFloat16, (tokens, num_heads, head_dim), (num_heads * head_dim, head_dim, 1),
+                             assumed_align=16)
+    cache_strides = (cute.sym_int64(), num_kv_heads * head_dim, head_dim, 1)
+    keys = make_fake_tensor(cutlass.BFloat16, (batch, capacity, num_kv_heads, head_dim), cache_strides, assumed_align=16)
+    values = make_fake_tensor(cutlass.BFloat16, (batch, capacity, num_kv_heads, head_dim), cache_strides,
+                              assumed_align=16)
+    return (projected(num_heads), projected(num_kv_heads), projected(num_kv_heads), weight, weight, angles, angles,
+            slots, slots, q_out, keys, values, cutlass.Float32(1e-6), make_fake_stream(use_tvm_ffi_env_stream=True))
