@@ -235,11 +235,12 @@ class MiniMaxM3Cache(Cache):
         held[batch_index, positions] = values
         return held
 
-    def allocated_store(self, store_name: str, layer_idx: int, like: torch.Tensor) -> Optional[torch.Tensor]:
-        """The layer's whole store ``store_name`` when it is allocated in ``like``'s dtype on its device (what
-        ``write`` would write into without re-allocating), else None."""
+    def allocated_store(self, store_name: str, layer_idx: int, dtype: torch.dtype,
+                        device: torch.device) -> Optional[torch.Tensor]:
+        """The layer's whole store ``store_name`` when it is allocated in ``dtype`` on ``device`` (what ``write``
+        would write into without re-allocating), else None."""
         held = getattr(self.layers[layer_idx], store_name)
-        if held is None or held.dtype != like.dtype or held.device != like.device:
+        if held is None or held.dtype != dtype or held.device != device:
             return None
         return held
 

@@ -27,6 +27,9 @@ def variants():
         yield (f"grouped_gemv_sm90_{name}", GroupedGemvSm90(**configuration), grouped_gemv_arguments(name), None)
     # M3's attention geometry: 64 query and 4 KV heads of 128, 64 rotated dims, Gemma's norm
     yield ("qk_norm_rope_sm90", QkNormRopeSm90(64, 4, 128, 32, 1.0), qk_norm_rope_arguments(), None)
+    # its index path: 4 index query heads and one index key head of 128, e4m3 outputs
+    yield ("qk_norm_rope_sm90_index", QkNormRopeSm90(4, 1, 128, 32, 1.0, with_values=False, index_cast=True),
+           qk_norm_rope_arguments(4, 1, 128, 32, with_values=False, index_cast=True), None)
 
 
 def main(argv=None) -> int:

@@ -26,7 +26,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from indexer import score_row_pitch
 
-from .attention_inputs import write_decode_attention_inputs
+from .attention_inputs import write_decode_attention_inputs, write_decode_index_inputs
 from .cache import MiniMaxM3Cache, MiniMaxM3StaticCache
 from .configuration_minimax_m3 import DENSE_MLP, SILU_AND_MUL, SPARSE_ATTENTION, MiniMaxM3Config
 from .decode_graphs import DecodeGraph, decode_graph_obstacle
@@ -404,6 +404,10 @@ class MiniMaxM3Attention(nn.Module):
                 index_q, index_k = None, self.index_key(x, cos, sin, index_dtype=c.index_dtype)
             else:
                 query, key = projected or self.input_projections(self, x, ("index_q_proj", "index_k_proj"))
+                index_q = write_decode_index_inputs(self, query, key, cos, sin, cache, metadata, c.index_dtype)
+                if index_q is not None:  # a decode step: both norms, RoPE, the casts and the key's write in one kernel
+                    return page_selector.select(cache.index_pages(self.layer_idx), cache.block_table(x.device),
+                                                index_q, metadata)
                 index_q = self._normed_index_query(query, cos, sin, c.index_dtype)
                 index_k = self._normed_index_key(key, cos, sin, c.index_dtype)
             cache.write("index_keys", self.layer_idx, index_k, metadata.batch_index, metadata.positions)

@@ -2,7 +2,7 @@
 
 import torch
 
-from minimax_m3.attention_inputs import write_decode_attention_inputs
+from minimax_m3.attention_inputs import write_decode_attention_inputs, write_decode_index_inputs
 from minimax_m3.modeling_minimax_m3 import MiniMaxM3Attention
 from test_minimax_m3 import tiny_model
 
@@ -26,3 +26,11 @@ def test_off_the_gpu_nothing_is_fused_and_nothing_written():
 
     assert write_decode_attention_inputs(attention, q, k, k.clone(), angles.cos(), angles.sin(), cache, Metadata) is None
     assert torch.equal(cache.layers[attention.layer_idx].keys, keys)
+    sparse = next(module for module in model.modules() if isinstance(module, MiniMaxM3Attention) and module.is_sparse)
+    index_keys = cache.layers[sparse.layer_idx].index_keys.clone()
+    config = model.config
+    query = torch.randn(1, config.index_n_heads * config.index_head_dim)
+    key = torch.randn(1, config.index_head_dim)
+    assert write_decode_index_inputs(sparse, query, key, angles.cos(), angles.sin(), cache, Metadata,
+                                     config.index_dtype) is None
+    assert torch.equal(cache.layers[sparse.layer_idx].index_keys.float(), index_keys.float())

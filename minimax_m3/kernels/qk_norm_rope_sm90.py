@@ -7,6 +7,11 @@ the model dtype, as ``rms_norm``) and rotated (NeoX rotate-half on the first ``2
 cache ``[B, capacity, Hkv, D]`` at (``batch_index[t]``, ``positions[t]``). Eagerly these are two compiled norm kernels
 and two ``index_put`` kernels, each a few microseconds of launch and latency for a few kilobytes.
 
+The index path's inputs take the same kernel without ``v`` (``with_values=False``): its queries and its one key
+head, normed and rotated, with ``index_cast``: rounded to bf16 and cast to e4m3 by a saturating cast (clamp to
+±448), as ``sparse_attention.to_index_dtype`` after ``apply_partial_rope``; the keys into the index-key cache
+``[B, capacity, 1, D]``.
+
 CTA ``(token, row block)``: one warp per head row (q's heads, then k's, then v's), ``D / 32`` elements per lane;
 a rotation partner lies ``half / (D / 32)`` lanes away and comes by a shuffle. A slot outside the cache is not
 written (the cache reserves every position it is given before the forward, so none is).
@@ -17,16 +22,21 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
-__all__ = ["QkNormRopeSm90"]
+__all__ = ["QkNormRopeSm90", "FP8_E4M3_MAX"]
+
+FP8_E4M3_MAX = 448.0
 
 
 class QkNormRopeSm90:
     """Static configuration: head counts, head dim, the rotated half width, the norm's offset (1 for Gemma's);
+    ``with_values``: v is copied into its cache (attention's inputs) or there is no v (the index path's);
+    ``index_cast``: q and k are stored as e4m3 by the index path's saturating cast.
     ``__call__`` is the traced host launcher, ``kernel`` the device code."""
 
     warps_per_cta = 4
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, rotary_half: int, offset: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, rotary_half: int, offset: float,
+                 with_values: bool = True, index_cast: bool = False):
         if head_dim % 32 != 0 or (head_dim // 32) % 2 != 0 or head_dim // 32 > 8:
             raise ValueError(f"head_dim must be 64, 128 or 256 (an even vector of 2-8 elements per lane), got {head_dim}")
         per_lane = head_dim // 32
@@ -38,23 +48,25 @@ class QkNormRopeSm90:
         self.rotary_half = rotary_half
         self.offset = offset
         self.per_lane = per_lane
-        self.rows = num_heads + 2 * num_kv_heads
+        self.with_values = with_values
+        self.index_cast = index_cast
+        self.rows = num_heads + (2 if with_values else 1) * num_kv_heads
 
     @cute.jit
     def __call__(
         self,
         mQ: cute.Tensor,  # (T, Hq, D) bf16, any row stride
         mK: cute.Tensor,  # (T, Hkv, D) bf16
-        mV: cute.Tensor,  # (T, Hkv, D) bf16
+        mV,  # (T, Hkv, D) bf16, or None without values
         mQNormWeight: cute.Tensor,  # (D,) bf16 or fp32
         mKNormWeight: cute.Tensor,  # (D,)
         mCos: cute.Tensor,  # (T, half) fp32
         mSin: cute.Tensor,  # (T, half) fp32
         mBatchIndex: cute.Tensor,  # (T,) int64
         mPositions: cute.Tensor,  # (T,) int64
-        mQOut: cute.Tensor,  # (T, Hq, D) bf16
-        mKeys: cute.Tensor,  # (B, capacity, Hkv, D) bf16
-        mValues: cute.Tensor,  # (B, capacity, Hkv, D) bf16
+        mQOut: cute.Tensor,  # (T, Hq, D) bf16, or e4m3 with index_cast
+        mKeys: cute.Tensor,  # (B, capacity, Hkv, D) bf16, or e4m3 with index_cast
+        mValues,  # (B, capacity, Hkv, D) bf16, or None without values
         eps: cutlass.Float32,
         stream,
     ):
@@ -77,16 +89,34 @@ class QkNormRopeSm90:
             position < cute.size(mKeys, mode=[1]))
         if row < self.num_heads:
             values = self.normed_and_rotated(mQ[token, row, None], mQNormWeight, mCos, mSin, token, lane, eps)
-            self.store(mQOut[token, row, None], values, lane)
+            self.store(mQOut[token, row, None], self.cast_for_output(values, mQ.element_type), lane)
         elif row < self.num_heads + self.num_kv_heads:
             head = row - self.num_heads
             values = self.normed_and_rotated(mK[token, head, None], mKNormWeight, mCos, mSin, token, lane, eps)
             if in_cache:
-                self.store(mKeys[batch, position, head, None], values, lane)
+                self.store(mKeys[batch, position, head, None], self.cast_for_output(values, mK.element_type), lane)
         elif row < self.rows:
-            head = row - self.num_heads - self.num_kv_heads
-            if in_cache:
-                self.store(mValues[batch, position, head, None], self.load(mV[token, head, None], lane), lane)
+            if cutlass.const_expr(self.with_values):
+                head = row - self.num_heads - self.num_kv_heads
+                if in_cache:
+                    self.store(mValues[batch, position, head, None], self.load(mV[token, head, None], lane), lane)
+
+    @cute.jit
+    def cast_for_output(self, values, input_type):
+        """The rotated row as the store converts it: as is, or (``index_cast``) rounded to the input dtype and
+        clamped to e4m3's range, whose conversion then saturates nothing."""
+        if cutlass.const_expr(not self.index_cast):
+            return values
+        rounded = cute.make_rmem_tensor((self.per_lane,), cutlass.Float32)
+        rounded.store(values.to(input_type).to(cutlass.Float32))
+        for i in cutlass.range_constexpr(self.per_lane):
+            value = rounded[i]  # compared, not min / max: a NaN stays NaN, as torch's clamp keeps it
+            if value > FP8_E4M3_MAX:
+                value = cutlass.Float32(FP8_E4M3_MAX)
+            if value < -FP8_E4M3_MAX:
+                value = cutlass.Float32(-FP8_E4M3_MAX)
+            rounded[i] = value
+        return rounded.load()
 
     @cute.jit
     def load(self, mRow, lane):

@@ -70,11 +70,15 @@ def grouped_gemv_arguments(configuration: str):
     return x, w, offsets, out, make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
-def qk_norm_rope_arguments(num_heads: int = 64, num_kv_heads: int = 4, head_dim: int = 128, rotary_half: int = 32):
+def qk_norm_rope_arguments(num_heads: int = 64, num_kv_heads: int = 4, head_dim: int = 128, rotary_half: int = 32,
+                           with_values: bool = True, index_cast: bool = False):
     """Fake tensors for ``QkNormRopeSm90.__call__`` (TVM-FFI calls): q, k and v ``[T, H, D]`` bf16 with a dynamic
     row stride (column slices of one packed projection), the norms' bf16 weights ``[D]``, cos and sin ``[T, half]``
-    fp32, the slots ``[T]`` int64, q's output ``[T, Hq, D]`` and the cache ``[B, capacity, Hkv, D]``."""
+    fp32, the slots ``[T]`` int64, q's output ``[T, Hq, D]`` and the cache ``[B, capacity, Hkv, D]``.
+    As ``QkNormRopeSm90``'s options: no v and no value cache without ``with_values``; q's output and the key cache
+    e4m3 with ``index_cast``."""
     tokens, batch, capacity = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    stored = cutlass.Float8E4M3FN if index_cast else cutlass.BFloat16
 
     def projected(heads):
         return make_fake_tensor(cutlass.BFloat16, (tokens, heads, head_dim), (cute.sym_int64(), head_dim, 1),
@@ -83,11 +87,13 @@ def qk_norm_rope_arguments(num_heads: int = 64, num_kv_heads: int = 4, head_dim:
     weight = make_fake_tensor(cutlass.BFloat16, (head_dim,), (1,), assumed_align=2)
     angles = make_fake_tensor(cutlass.Float32, (tokens, rotary_half), (rotary_half, 1), assumed_align=4)
     slots = make_fake_tensor(cutlass.Int64, (tokens,), (1,), assumed_align=8)
-    q_out = make_fake_tensor(cutlass.BFloat16, (tokens, num_heads, head_dim), (num_heads * head_dim, head_dim, 1),
+    q_out = make_fake_tensor(stored, (tokens, num_heads, head_dim), (num_heads * head_dim, head_dim, 1),
                              assumed_align=16)
     cache_strides = (cute.sym_int64(), num_kv_heads * head_dim, head_dim, 1)
-    keys = make_fake_tensor(cutlass.BFloat16, (batch, capacity, num_kv_heads, head_dim), cache_strides, assumed_align=16)
-    values = make_fake_tensor(cutlass.BFloat16, (batch, capacity, num_kv_heads, head_dim), cache_strides,
-                              assumed_align=16)
-    return (projected(num_heads), projected(num_kv_heads), projected(num_kv_heads), weight, weight, angles, angles,
-            slots, slots, q_out, keys, values, cutlass.Float32(1e-6), make_fake_stream(use_tvm_ffi_env_stream=True))
+
+    def cache():
+        return make_fake_tensor(stored, (batch, capacity, num_kv_heads, head_dim), cache_strides, assumed_align=16)
+
+    v, values = (projected(num_kv_heads), cache()) if with_values else (None, None)
+    return (projected(num_heads), projected(num_kv_heads), v, weight, weight, angles, angles,
+            slots, slots, q_out, cache(), values, cutlass.Float32(1e-6), make_fake_stream(use_tvm_ffi_env_stream=True))
