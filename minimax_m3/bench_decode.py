@@ -13,6 +13,7 @@ replay records no operators).
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 from collections import defaultdict
@@ -24,7 +25,15 @@ from .bench_prefill import build, geometry_config
 from .cache import MiniMaxM3StaticCache
 from .timing import median_cuda_ms
 
-__all__ = ["fill_random_context", "decode_step_profile", "main"]
+__all__ = ["fill_random_context", "decode_step_profile", "kernel_label", "main"]
+
+_QUALIFIER = re.compile(r"(?:\(anonymous namespace\)|[A-Za-z_]\w*)::")
+
+
+def kernel_label(name: str, width: int = 120) -> str:
+    """A CUDA kernel's name without namespace qualifiers, cut to ``width``: ATen's elementwise kernels differ only
+    in the functor deep inside their template arguments, which a plain cut loses."""
+    return _QUALIFIER.sub("", name.removeprefix("void "))[:width]
 
 
 def fill_random_context(model, cache: MiniMaxM3StaticCache, prompt: torch.Tensor, length: int,
@@ -127,7 +136,8 @@ def main(argv=None) -> None:
           f"{sum(t for _, t in result['per_step'].values()):,.0f} us of them per step")
     print(f"| {unit[:-1]} | per step | us per step |\n|---|---|---|")
     for name, (count, micros) in rows[: args.top]:
-        print(f"| {name[:150 if args.by_operator else 90]} | {count:g} | {micros:,.1f} |")
+        label = kernel_label(name) if unit == "kernels" else name[:150]
+        print(f"| {label} | {count:g} | {micros:,.1f} |")
 
 
 if __name__ == "__main__":

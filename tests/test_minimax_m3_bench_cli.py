@@ -129,3 +129,11 @@ def test_bench_prefill_flushes_each_finished_measurement_as_partial(tmp_path, mo
         bench_prefill.main(["--lengths", "32", "--modes", "dense,sparse", "--output", str(output)])
     saved = json.loads(output.read_text())
     assert saved["partial"] is True and [r["mode"] for r in saved["results"]] == ["dense"]
+
+
+def test_kernel_labels_keep_the_functor_that_tells_elementwise_kernels_apart():
+    name = ("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>, "
+            "std::array<char*, 3ul> >(int, at::native::CUDAFunctor_add<c10::BFloat16>, std::array<char*, 3ul>)")
+    label = bench_decode.kernel_label(name, width=60)
+    assert label == "vectorized_elementwise_kernel<8, CUDAFunctor_add<BFloat16>, array<char*, 3ul> >"[:60]
+    assert bench_decode.kernel_label("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT") == "nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT"
