@@ -97,9 +97,9 @@ def write_decode_index_inputs(attention, query: torch.Tensor, key: torch.Tensor,
     if dtype is None or query.dim() != 2 or key.dim() != 2:
         return None
     store = cache.allocated_store("index_keys", attention.layer_idx, dtype, key.device)
-    if store is None:
-        return None
     head_dim = key.shape[-1]
+    if store is None or store.dim() != 3 or store.shape[-1] != head_dim or query.shape[-1] % head_dim:
+        return None
     q, k = query.view(query.shape[0], -1, head_dim), key.view(key.shape[0], 1, head_dim)
     keys = store.view(*store.shape[:2], 1, head_dim)
     if not _serves(attention.index_q_norm, attention.index_k_norm, q, k, None, cos, sin, keys, None, metadata):
