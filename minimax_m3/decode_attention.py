@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from .fusion import compiled, fuse
 from .split_kv import merge_split_outputs
 
-__all__ = ["SPLIT_KEYS", "flash_decode_supported", "flash_decode"]
+__all__ = ["SPLIT_KEYS", "flash_decode_supported", "flash_decode", "split_queries"]
 
 SPLIT_KEYS = 4096
 """Keys per chunk: a 128K-token cache gives 32 chunks per sequence, 2,048 blocks of one query head at batch 1."""
@@ -50,6 +51,16 @@ def _split_layout(device, batch: int, capacity: int):
     return layout
 
 
+def split_queries(q: torch.Tensor, kv_lengths: torch.Tensor, split_start: torch.Tensor, chunk: int):
+    """``(q [B, H, D] repeated once per split [B * S, H, D], the keys each split holds [B, S] int32)``: a sequence's
+    split ``s`` holds ``kv_lengths[b] - split_start[s]`` keys, clamped into ``[0, chunk]``. One compiled kernel on
+    CUDA where the eager ops are a cast, a broadcast subtraction, a clamp and a strided copy of the queries (the
+    copy alone 2 MB for 4 sequences at 128K)."""
+    splits = split_start.shape[0]
+    used = (kv_lengths.to(torch.int32)[:, None] - split_start).clamp(0, chunk)
+    return q[:, None].expand(-1, splits, -1, -1).reshape(-1, *q.shape[1:]), used
+
+
 def flash_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_lengths: torch.Tensor, *,
                  scale: float) -> torch.Tensor:
     """``q [B, H, D]`` (one token per sequence, the last of its ``kv_lengths[b]`` tokens) over ``keys`` / ``values
@@ -59,8 +70,8 @@ def flash_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_l
     split_start, cu_seqlens_q, cu_seqlens_k = _split_layout(q.device, batch, capacity)
     splits = split_start.shape[0]
     chunk = -(-capacity // splits)
-    used = (kv_lengths.to(device=q.device, dtype=torch.int32)[:, None] - split_start).clamp(0, chunk)  # [B, S]
-    query = q.repeat_interleave(splits, dim=0)  # [B * S, H, D]: one query per (sequence, split)
+    inputs = compiled("flash_decode_split_queries", split_queries) if fuse(q) else split_queries
+    query, used = inputs(q, kv_lengths.to(q.device), split_start, chunk)  # one query per (sequence, split)
     output, lse = torch.ops.aten._flash_attention_forward(
         query, keys.view(batch * capacity, num_kv_heads, head_dim), values.view(batch * capacity, num_kv_heads, head_dim),
         cu_seqlens_q, cu_seqlens_k, 1, chunk, 0.0, False, False, scale=scale,

@@ -72,3 +72,18 @@ def test_a_model_with_every_chain_compiled_equals_eager_and_compiles_nothing_for
                                if hasattr(chain, "signatures")})  # chains compiled per signature
     assert signatures[0] == signatures[1] == signatures[2]
     assert {"rms_norm", "add_and_norm", "swiglu_oai", "norm_rope_and_cast", "weighted_token_sum"} <= set(signatures[0])
+
+
+def test_the_flash_decode_split_queries_compiled_equal_the_eager_ops():
+    from minimax_m3.decode_attention import split_queries
+
+    chain = compiled("test_fusion_split_queries", split_queries)
+    generator = torch.Generator().manual_seed(2)
+    split_start = torch.arange(4, dtype=torch.int32) * 100
+    for batch in (1, 3):
+        q = torch.randn(batch, 6, 8, generator=generator).to(torch.bfloat16)
+        kv_lengths = torch.randint(0, 450, (batch,), generator=generator)
+        query, used = chain(q, kv_lengths, split_start, 100)
+        assert torch.equal(query, q.repeat_interleave(4, dim=0))
+        assert used.dtype == torch.int32
+        assert torch.equal(used, (kv_lengths[:, None] - split_start).clamp(0, 100).int())
