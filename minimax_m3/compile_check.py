@@ -25,6 +25,9 @@ def variants():
            "bf16.bf16")
     for name, configuration in CONFIGURATIONS.items():
         yield (f"grouped_gemv_sm90_{name}", GroupedGemvSm90(**configuration), grouped_gemv_arguments(name), None)
+        if name != "router":  # the experts' first projection reads the tokens through the pairs' row index
+            yield (f"grouped_gemv_sm90_{name}_indexed", GroupedGemvSm90(**configuration),
+                   grouped_gemv_arguments(name, indexed=True), None)
     # M3's attention geometry: 64 query and 4 KV heads of 128, 64 rotated dims, Gemma's norm
     yield ("qk_norm_rope_sm90", QkNormRopeSm90(64, 4, 128, 32, 1.0), qk_norm_rope_arguments(), None)
     # its index path: 4 index query heads and one index key head of 128, e4m3 outputs

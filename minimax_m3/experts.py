@@ -116,12 +116,14 @@ def grouped_gemv_serves(rows: torch.Tensor, weights: torch.Tensor) -> bool:
 
 
 def grouped_gemv(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
-                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 out: Optional[torch.Tensor] = None, row_index: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out[r] = weights[e(r)] @ rows[r]``: ``rows [P, K]`` in expert order, expert ``e``'s rows ending at
     ``offsets[e]`` (``[E]`` int32, non-decreasing, the last equal to ``P``), ``weights [E, N, K]``; ``[P, N]`` in the
     rows' dtype (into ``out`` when given), fp32 sums: what ``_grouped_mm(rows, weights.transpose(-2, -1), offsets)``
     computes, by the SM90 kernel (``minimax_m3/kernels/grouped_gemv_sm90.py``) that reads each active expert's
-    weight once."""
+    weight once. With ``row_index [P]`` (int64) row ``r`` is ``rows[row_index[r]]`` instead (``rows`` then the
+    tokens, ``row_index`` each pair's token): ``rows[row_index]`` without gathering it (an index outside ``rows``
+    reads its nearest row)."""
     if not grouped_gemv_serves(rows, weights):
         raise ValueError("grouped_gemv needs bf16 rows [P, K] and weights [E, N, K] on an SM90 GPU with the CuTe DSL, "
                          f"K and N multiples of 8, contiguous and 16-byte aligned; got rows {tuple(rows.shape)} "
@@ -129,32 +131,41 @@ def grouped_gemv(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tenso
     if offsets.shape != (weights.shape[0],) or offsets.dtype != torch.int32 or offsets.device != rows.device:
         raise ValueError(f"offsets must be int32 [{weights.shape[0]}] on {rows.device}, got {tuple(offsets.shape)} "
                          f"{offsets.dtype} on {offsets.device}")
-    shape = (rows.shape[0], weights.shape[1])
+    pairs = rows.shape[0]
+    if row_index is not None:
+        if row_index.dim() != 1 or row_index.dtype != torch.int64 or row_index.device != rows.device:
+            raise ValueError(f"row_index must be int64 [pairs] on {rows.device}, got {tuple(row_index.shape)} "
+                             f"{row_index.dtype} on {row_index.device}")
+        if row_index.numel() and not rows.shape[0]:
+            raise ValueError("row_index names rows of an empty rows tensor")
+        pairs = row_index.shape[0]
+    shape = (pairs, weights.shape[1])
     if out is not None and (out.shape != shape or out.dtype != rows.dtype or out.device != rows.device
                             or out.stride(-1) != 1):
         raise ValueError(f"out must be {rows.dtype} {list(shape)} on {rows.device} with unit column stride, got "
                          f"{out.dtype} {list(out.shape)} on {out.device}")
-    return _launch_grouped_gemv(rows, weights, offsets, out)
+    return _launch_grouped_gemv(rows, weights, offsets, out, row_index)
 
 
-def _launch_grouped_gemv(rows, weights, offsets, out=None):
+def _launch_grouped_gemv(rows, weights, offsets, out=None, row_index=None):
     """``grouped_gemv`` on operands already checked (``grouped_gemv_serves``, offsets from a routing plan)."""
+    pairs = rows.shape[0] if row_index is None else row_index.shape[0]
     if out is None:
-        out = torch.empty(rows.shape[0], weights.shape[1], dtype=rows.dtype, device=rows.device)
-    if rows.shape[0] == 0:
+        out = torch.empty(pairs, weights.shape[1], dtype=rows.dtype, device=rows.device)
+    if pairs == 0:
         return out
     configuration = "experts_split_k" if rows.shape[1] >= GEMV_SPLIT_K_MIN_DEPTH else "experts"
-    _gemv_kernel(rows.device, configuration)(rows, weights, offsets, out)
+    _gemv_kernel(rows.device, configuration, row_index is not None)(rows, weights, offsets, out, row_index)
     return out
 
 
-def _gemv_kernel(device: torch.device, configuration: str):
+def _gemv_kernel(device: torch.device, configuration: str, indexed: bool = False):
     from .kernels.grouped_gemv_sm90 import CONFIGURATIONS, GroupedGemvSm90
     from .kernels.signatures import grouped_gemv_arguments
 
     with torch.cuda.device(device):
-        return compile_once(("grouped_gemv_sm90", configuration), lambda: compile_tvm_ffi(
-            GroupedGemvSm90(**CONFIGURATIONS[configuration]), grouped_gemv_arguments(configuration)))
+        return compile_once(("grouped_gemv_sm90", configuration, indexed), lambda: compile_tvm_ffi(
+            GroupedGemvSm90(**CONFIGURATIONS[configuration]), grouped_gemv_arguments(configuration, indexed)))
 
 
 def router_logits(gate: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -167,12 +178,19 @@ def router_logits(gate: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
             and gate.bias is None and not gate._forward_pre_hooks and not gate._forward_hooks
             and weight.dtype == torch.float32 and _gemv_operands_ok(x, weight)):
         out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
-        _gemv_kernel(x.device, "router")(x, weight.unsqueeze(0), None, out)
+        _gemv_kernel(x.device, "router")(x, weight.unsqueeze(0), None, out, None)
         return out
     return gate(x.to(weight.dtype)).float()
 
 
-def _expert_projection(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _expert_projection(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+                       token_of_row: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The grouped projection of the rows in expert order: ``x`` itself, or ``x[token_of_row]`` (the GEMV reads
+    the tokens through the index, the grouped GEMM takes them gathered)."""
+    if (token_of_row is not None and gemv_pays(token_of_row.shape[0], weights.shape[0])
+            and grouped_gemv_serves(x, weights)):
+        return _launch_grouped_gemv(x, weights, offsets, row_index=token_of_row)
+    rows = x if token_of_row is None else x[token_of_row]
     if gemv_pays(rows.shape[0], weights.shape[0]) and grouped_gemv_serves(rows, weights):
         return _launch_grouped_gemv(rows, weights, offsets)
     return _grouped_mm(rows, weights.transpose(-2, -1), offsets)
@@ -186,8 +204,7 @@ def grouped_mm_experts_forward(self, hidden_states: torch.Tensor, top_k_index: t
     else:
         plan = routing_plan_by_sorting
     token_of_row, offsets, slot_of_pair = plan(top_k_index, self.num_experts)
-    rows = hidden_states[token_of_row]
-    gated = self._apply_gate(_expert_projection(rows, self.gate_up_proj, offsets))
+    gated = self._apply_gate(_expert_projection(hidden_states, self.gate_up_proj, offsets, token_of_row))
     outputs = _expert_projection(gated.contiguous(), self.down_proj, offsets)
     combine = compiled("weighted_token_sum", weighted_token_sum) if fuse(outputs) else weighted_token_sum
     return combine(outputs, slot_of_pair, top_k_weights)

@@ -55,6 +55,41 @@ def test_grouped_gemv_matches_the_fp32_reference_and_writes_nothing_else(experts
         torch.testing.assert_close(out.float(), grouped.float(), rtol=1e-2, atol=1e-2 * depth ** 0.5)
 
 
+@pytest.mark.parametrize("experts, columns, depth, tokens, top_k", [
+    (4, 512, 6144, 4, 2),  # the presets' gate_up (K split) at batch 4
+    (128, 6144, 6144, 4, 4),  # M3's gate_up at batch 4, 16 pairs over 128 experts
+    (8, 1000, 136, 3, 3),  # one warp per column group, widths that fill no CTA's columns evenly
+])
+def test_the_gemv_reads_rows_through_a_row_index_as_the_gathered_rows(experts, columns, depth, tokens, top_k):
+    generator = torch.Generator(device="cuda").manual_seed(experts + depth)
+    ids = torch.stack([torch.randperm(experts, generator=generator, device="cuda")[:top_k] for _ in range(tokens)])
+    token_of_row, offsets, _ = routing_plan_by_counting(ids, experts)
+    weights = torch.randn(experts, columns, depth, generator=generator, device="cuda").to(torch.bfloat16)
+    guarded = torch.full((tokens + 2, depth), float("nan"), device="cuda", dtype=torch.bfloat16)
+    x = guarded[1:-1]
+    x.copy_(torch.randn(tokens, depth, generator=generator, device="cuda"))
+    target = torch.full((token_of_row.shape[0] + 2, columns), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = grouped_gemv(x, weights, offsets, out=target[1:-1], row_index=token_of_row)
+    gathered = x[token_of_row]
+    assert not out.isnan().any() and target[0].isnan().all() and target[-1].isnan().all()
+    torch.testing.assert_close(out.float(), reference(gathered, weights, offsets), rtol=1e-2, atol=1e-2 * depth ** 0.5)
+    assert torch.equal(out, grouped_gemv(gathered, weights, offsets))  # the same sums in the same order
+
+
+def test_a_row_index_outside_the_rows_reads_the_nearest_row():
+    generator = torch.Generator(device="cuda").manual_seed(9)
+    weights = torch.randn(2, 64, 128, generator=generator, device="cuda").to(torch.bfloat16)
+    guarded = torch.full((5, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    x = guarded[1:-1]
+    x.copy_(torch.randn(3, 128, generator=generator, device="cuda"))
+    offsets = torch.tensor([2, 4], dtype=torch.int32, device="cuda")
+    row_index = torch.tensor([-5, 1, 3, 1000], device="cuda")
+    out = grouped_gemv(x, weights, offsets, row_index=row_index)
+    expected = reference(x[torch.tensor([0, 1, 2, 2], device="cuda")], weights, offsets)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=0.2)
+
+
 def test_inconsistent_offsets_are_clamped_and_nothing_outside_the_output_is_written():
     generator = torch.Generator(device="cuda").manual_seed(3)
     weights = torch.randn(3, 64, 128, generator=generator, device="cuda").to(torch.bfloat16)
@@ -101,7 +136,7 @@ def test_the_router_gemv_matches_a_float64_reference_and_writes_nothing_else(tok
     x = guarded[1:-1]
     x.copy_(torch.randn(tokens, 6144, generator=generator, device="cuda"))
     target = torch.full((tokens + 2, experts), float("nan"), device="cuda", dtype=torch.float32)
-    experts_module._gemv_kernel(x.device, "router")(x, weight.unsqueeze(0), None, target[1:-1])
+    experts_module._gemv_kernel(x.device, "router")(x, weight.unsqueeze(0), None, target[1:-1], None)
     expected = x.double() @ weight.double().T
     assert target[0].isnan().all() and target[-1].isnan().all() and not target[1:-1].isnan().any()
     torch.testing.assert_close(target[1:-1].double(), expected, rtol=1e-5, atol=1e-5)

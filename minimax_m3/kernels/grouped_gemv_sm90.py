@@ -1,7 +1,9 @@
 """Grouped GEMV for a decode step's small projections, in CuTe DSL (SIMT, any SM80+; compiled for SM90).
 
-``out[r, n] = sum_k x[r, k] * w[e(r), n, k]``: the rows of ``x`` are (token, expert) pairs in expert order, expert
-``e``'s rows end at ``offsets[e]``; with ``offsets`` None every row belongs to the one weight ``w[0]`` (a router).
+``out[r, n] = sum_k x[i(r), k] * w[e(r), n, k]``: the rows of ``out`` are (token, expert) pairs in expert order,
+expert ``e``'s rows end at ``offsets[e]``; with ``offsets`` None every row belongs to the one weight ``w[0]`` (a
+router). ``i(r)`` is ``row_index[r]`` (each pair's token, so the tokens are not gathered into pair order first), or
+``r`` without a row index.
 A decode step has a few rows per weight, so the work is reading the weights once; the grouped GEMM takes 1.2-1.6x
 their bytes' time at M3's width and 5-8x with 256-wide experts (docs/PERFORMANCE.md): its tiles of 64+ rows hold a
 few real ones, and few output tiles leave SMs idle.
@@ -45,22 +47,23 @@ class GroupedGemvSm90:
     @cute.jit
     def __call__(
         self,
-        mX: cute.Tensor,  # (rows, K) bf16, rows in expert order, K a multiple of the vector, 16-byte aligned rows
+        mX: cute.Tensor,  # (rows or tokens, K) bf16, K a multiple of the vector, 16-byte aligned rows
         mW: cute.Tensor,  # (experts, N, K) bf16 or fp32, K contiguous
         mOffsets: cute.Tensor,  # (experts,) int32: expert e's rows end at offsets[e]; None: one expert, every row
-        mOut: cute.Tensor,  # (rows, N) bf16 or fp32
+        mOut: cute.Tensor,  # (rows, N) bf16 or fp32, rows in expert order
+        mRowIndex,  # (rows,) int64: the row of x each output row reads; None: the same row
         stream,
     ):
         columns = cute.size(mW, mode=[1])
         slots = 1
         if cutlass.const_expr(mOffsets is not None):
-            slots = cutlass.min(cute.size(mW, mode=[0]), cute.size(mX, mode=[0]))
+            slots = cutlass.min(cute.size(mW, mode=[0]), cute.size(mOut, mode=[0]))
         column_blocks = (columns + self.columns_per_cta - 1) // self.columns_per_cta
-        self.kernel(mX, mW, mOffsets, mOut).launch(grid=(column_blocks, slots, 1), block=(32 * self.warps, 1, 1),
-                                                   stream=stream)
+        self.kernel(mX, mW, mOffsets, mOut, mRowIndex).launch(grid=(column_blocks, slots, 1),
+                                                              block=(32 * self.warps, 1, 1), stream=stream)
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mOffsets: cute.Tensor, mOut: cute.Tensor):
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mOffsets: cute.Tensor, mOut: cute.Tensor, mRowIndex):
         tidx, _, _ = cute.arch.thread_idx()
         column_block, slot, _ = cute.arch.block_idx()
         lane = tidx % 32
@@ -74,13 +77,13 @@ class GroupedGemvSm90:
                 cute.make_layout((self.rows_per_pass * self.columns_per_warp, self.k_splits, self.column_groups)), 16)
         first_column = column_block * self.columns_per_cta + group * self.columns_per_warp
         if cutlass.const_expr(mOffsets is None):
-            self.expert_columns(mX, mW, mOut, sPartial, 0, 0, cute.size(mX, mode=[0]), first_column, group, split,
-                                lane)
+            self.expert_columns(mX, mW, mOut, mRowIndex, sPartial, 0, 0, cute.size(mOut, mode=[0]), first_column,
+                                group, split, lane)
         else:
-            expert, row_begin, row_end = self.active_expert(mOffsets, cute.size(mX, mode=[0]), slot, lane)
+            expert, row_begin, row_end = self.active_expert(mOffsets, cute.size(mOut, mode=[0]), slot, lane)
             if expert >= 0:  # the same for the whole CTA: its barriers are reached by every warp or none
-                self.expert_columns(mX, mW, mOut, sPartial, expert, row_begin, row_end, first_column, group, split,
-                                    lane)
+                self.expert_columns(mX, mW, mOut, mRowIndex, sPartial, expert, row_begin, row_end, first_column,
+                                    group, split, lane)
 
     @cute.jit
     def active_expert(self, mOffsets, rows, slot, lane):
@@ -114,7 +117,8 @@ class GroupedGemvSm90:
         return expert, row_begin, row_end
 
     @cute.jit
-    def expert_columns(self, mX, mW, mOut, sPartial, expert, row_begin, row_end, first_column, group, split, lane):
+    def expert_columns(self, mX, mW, mOut, mRowIndex, sPartial, expert, row_begin, row_end, first_column, group,
+                       split, lane):
         columns = cute.size(mW, mode=[1])
         depth = cute.size(mW, mode=[2])
         vector = 128 // mW.element_type.width
@@ -124,13 +128,19 @@ class GroupedGemvSm90:
             for i in cutlass.range_constexpr(slots):
                 partial[i] = 0.0
             rows = [cutlass.min(row_base + r, row_end - 1) for r in range(self.rows_per_pass)]
+            sources = rows
+            if cutlass.const_expr(mRowIndex is not None):
+                # clamped into x: no index makes the kernel read beyond it
+                last = cute.size(mX, mode=[0]) - 1
+                sources = [cutlass.max(cutlass.min(cutlass.Int32(mRowIndex[rows[r]]), last), 0)
+                           for r in range(self.rows_per_pass)]
             weight_rows = [cutlass.min(first_column + c, columns - 1) for c in range(self.columns_per_warp)]
             for k in cutlass.range((split * 32 + lane) * vector, depth, self.k_splits * 32 * vector,
                                    unroll=self.unroll):
                 weights = [self.load_vector(mW[expert, weight_rows[c], None], k, vector)
                            for c in range(self.columns_per_warp)]
                 for r in cutlass.range_constexpr(self.rows_per_pass):
-                    activations = self.load_vector(mX[rows[r], None], k, vector)
+                    activations = self.load_vector(mX[sources[r], None], k, vector)
                     for c in cutlass.range_constexpr(self.columns_per_warp):
                         products = activations * weights[c]
                         partial[r, c] = partial[r, c] + products.reduce(cute.ReductionOp.ADD, 0.0, 0)

@@ -52,22 +52,25 @@ def sparse_decode_attention_arguments(num_heads: int = 64, num_kv_heads: int = 4
             make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
-def grouped_gemv_arguments(configuration: str):
+def grouped_gemv_arguments(configuration: str, indexed: bool = False):
     """Fake tensors for ``GroupedGemvSm90.__call__`` in a named configuration (TVM-FFI calls): bf16 rows ``[P, K]``
     with 16-byte aligned rows, weights ``[E, N, K]`` and the output ``[P, N]`` (every extent dynamic, K and N
     multiples of 8), the offsets ``[E]`` int32; bf16 weights and output for the experts, fp32 for the router, whose
-    one weight serves every row (no offsets)."""
+    one weight serves every row (no offsets). ``indexed``: x is ``[T, K]`` tokens and a row index ``[P]`` int64
+    names each output row's token."""
     grouped = configuration != "router"
     weight_dtype = out_dtype = cutlass.BFloat16 if grouped else cutlass.Float32
     rows, experts, columns, depth = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), cute.sym_int32(divisibility=8)
     if not grouped:
         experts = 1
-    x = make_fake_tensor(cutlass.BFloat16, (rows, depth), (cute.sym_int64(divisibility=8), 1), assumed_align=16)
+    x_rows = cute.sym_int32() if indexed else rows
+    x = make_fake_tensor(cutlass.BFloat16, (x_rows, depth), (cute.sym_int64(divisibility=8), 1), assumed_align=16)
     w = make_fake_tensor(weight_dtype, (experts, columns, depth),
                          (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1), assumed_align=16)
     offsets = make_fake_tensor(cutlass.Int32, (experts,), (1,), assumed_align=4) if grouped else None
     out = make_fake_tensor(out_dtype, (rows, columns), (cute.sym_int64(), 1), assumed_align=out_dtype.width // 8)
-    return x, w, offsets, out, make_fake_stream(use_tvm_ffi_env_stream=True)
+    row_index = make_fake_tensor(cutlass.Int64, (rows,), (1,), assumed_align=8) if indexed else None
+    return x, w, offsets, out, row_index, make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
 def qk_norm_rope_arguments(num_heads: int = 64, num_kv_heads: int = 4, head_dim: int = 128, rotary_half: int = 32,
