@@ -366,7 +366,12 @@ class MiniMaxM3Attention(nn.Module):
         the model dtype (normed, partial RoPE): differentiable, for training the indexer. With ``index_dtype``
         (the forward pass: ``config.index_dtype``) they come cast by ``to_index_dtype``, fused with the norm."""
         self._require_indexer()
-        query, key = self.input_projections(self, x, ("index_q_proj", "index_k_proj"))
+        return self._normed_index_query_key(*self._projected_index_query_key(x), cos, sin, index_dtype)
+
+    def _projected_index_query_key(self, x: torch.Tensor):
+        return tuple(self.input_projections(self, x, ("index_q_proj", "index_k_proj")))
+
+    def _normed_index_query_key(self, query, key, cos, sin, index_dtype):
         return self._normed_index_query(query, cos, sin, index_dtype), self._normed_index_key(key, cos, sin, index_dtype)
 
     def _require_indexer(self) -> None:
@@ -403,13 +408,12 @@ class MiniMaxM3Attention(nn.Module):
             if c.attention_mode != "sparse":
                 index_q, index_k = None, self.index_key(x, cos, sin, index_dtype=c.index_dtype)
             else:
-                query, key = projected or self.input_projections(self, x, ("index_q_proj", "index_k_proj"))
+                query, key = projected or self._projected_index_query_key(x)
                 index_q = write_decode_index_inputs(self, query, key, cos, sin, cache, metadata, c.index_dtype)
                 if index_q is not None:  # a decode step: both norms, RoPE, the casts and the key's write in one kernel
                     return page_selector.select(cache.index_pages(self.layer_idx), cache.block_table(x.device),
                                                 index_q, metadata)
-                index_q = self._normed_index_query(query, cos, sin, c.index_dtype)
-                index_k = self._normed_index_key(key, cos, sin, c.index_dtype)
+                index_q, index_k = self._normed_index_query_key(query, key, cos, sin, c.index_dtype)
             cache.write("index_keys", self.layer_idx, index_k, metadata.batch_index, metadata.positions)
             if index_q is None:
                 return None
@@ -435,7 +439,7 @@ class MiniMaxM3Attention(nn.Module):
                 # the index projection before the branches, alone: beside attention's projection both read
                 # weights at once and the small one took 4x its time, the longer branch's first step
                 with torch.no_grad():
-                    projected = tuple(self.input_projections(self, x, ("index_q_proj", "index_k_proj")))
+                    projected = self._projected_index_query_key(x)
             # the index path shares nothing with attention's projections until attention reads the selection: in a
             # captured decode step the two run side by side (``streams``)
             selection, (q, keys, values) = run_branches(
