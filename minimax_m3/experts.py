@@ -198,12 +198,17 @@ def _expert_projection(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Te
 
 def grouped_mm_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                top_k_weights: torch.Tensor) -> torch.Tensor:
-    if top_k_index.numel() <= COUNTED_PLAN_MAX_PAIRS:
-        plan = (compiled("routing_plan_by_counting", routing_plan_by_counting, tokens_first=False)
-                if fuse(hidden_states) else routing_plan_by_counting)
+    routed = getattr(self, "routing_plan", None)
+    known = None if routed is None else routed.of(top_k_index)
+    if known is not None:  # the MoE block's decode routing counted it with the choice (decode_routing)
+        token_of_row, offsets, slot_of_pair = known
     else:
-        plan = routing_plan_by_sorting
-    token_of_row, offsets, slot_of_pair = plan(top_k_index, self.num_experts)
+        if top_k_index.numel() <= COUNTED_PLAN_MAX_PAIRS:
+            plan = (compiled("routing_plan_by_counting", routing_plan_by_counting, tokens_first=False)
+                    if fuse(hidden_states) else routing_plan_by_counting)
+        else:
+            plan = routing_plan_by_sorting
+        token_of_row, offsets, slot_of_pair = plan(top_k_index, self.num_experts)
     gated = self._apply_gate(_expert_projection(hidden_states, self.gate_up_proj, offsets, token_of_row))
     outputs = _expert_projection(gated.contiguous(), self.down_proj, offsets)
     combine = compiled("weighted_token_sum", weighted_token_sum) if fuse(outputs) else weighted_token_sum

@@ -30,6 +30,7 @@ from .attention_inputs import write_decode_attention_inputs, write_decode_index_
 from .cache import MiniMaxM3Cache, MiniMaxM3StaticCache
 from .configuration_minimax_m3 import DENSE_MLP, SILU_AND_MUL, SPARSE_ATTENTION, MiniMaxM3Config
 from .decode_graphs import DecodeGraph, decode_graph_obstacle
+from .decode_routing import decode_routing, decode_routing_serves
 from .dense_attention import ALL_ATTENTION_FUNCTIONS, check_served, dense_attention, eager_attention_forward
 from .experts import EXPERTS_FUNCTIONS, router_logits
 from .fusion import compiled, fuse
@@ -234,6 +235,7 @@ class MiniMaxM3Experts(nn.Module):
         self.intermediate_dim = config.intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
+        self.routing_plan = None  # a decode step's RoutingPlan, which the grouped experts take for its experts
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """``sum_k top_k_weights[t, k] * expert_{top_k_index[t, k]}(hidden_states[t])`` (fp32 sum, input dtype)."""
@@ -290,9 +292,14 @@ class MiniMaxM3SparseMoeBlock(nn.Module):
         the model dtype."""
         # fp32 as loaded (_keep_in_fp32_modules); a hooked module is called (offload hooks bring its weight)
         logits = router_logits(self.gate, x)
+        bias, top_k, scaling = (self.e_score_correction_bias.float(), self.config.num_experts_per_tok,
+                                self.config.routed_scaling_factor)
+        if decode_routing_serves(logits, bias, top_k):
+            # a decode step: the choice, the weights and the experts' routing plan in one kernel
+            chosen, weights, self.experts.routing_plan = decode_routing(logits, bias, top_k, scaling)
+            return chosen, weights, logits
         choose = compiled("route_weights", route_weights) if fuse(logits) else route_weights
-        chosen, weights = choose(logits, self.e_score_correction_bias.float(), self.config.num_experts_per_tok,
-                                 self.config.routed_scaling_factor)
+        chosen, weights = choose(logits, bias, top_k, scaling)
         return chosen, weights, logits
 
     def routed_experts(self, x: torch.Tensor):

@@ -59,3 +59,31 @@ def test_the_experts_give_the_same_output_by_either_plan(tokens, monkeypatch):
         reference = MiniMaxM3Experts.forward.__wrapped__(module, x, index, weights)  # the eager loop, undispatched
     torch.testing.assert_close(chosen, other, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(chosen, reference, atol=1e-5, rtol=1e-4)
+
+
+def test_the_experts_take_a_decode_routing_plan_for_its_own_choice_only():
+    """The MoE block hands the decode routing kernel's plan to the experts with the chosen experts
+    (``decode_routing.RoutingPlan``): the experts take it for that very tensor, and count their own for any other,
+    even of equal values. A plan that sends every pair to expert 0 shows which was taken."""
+    from minimax_m3.decode_routing import RoutingPlan
+
+    config = MiniMaxM3Config(hidden_size=32, intermediate_size=16, num_local_experts=8)
+    module = MiniMaxM3Experts(config)
+    assert module.routing_plan is None
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        module.gate_up_proj.normal_(std=0.2, generator=generator)
+        module.down_proj.normal_(std=0.2, generator=generator)
+        x = torch.randn(3, 32, generator=generator)
+        index = torch.stack([torch.randperm(8, generator=generator)[:4] for _ in range(3)])
+        weights = torch.rand(3, 4, generator=generator)
+        expected = grouped_mm_experts_forward(module, x, index, weights)
+        token_of_row, _, slot_of_pair = routing_plan_by_counting(index, 8)
+        all_to_expert_0 = torch.full((8,), 12, dtype=torch.int32)
+        module.routing_plan = RoutingPlan(index, token_of_row, all_to_expert_0, slot_of_pair)
+        assert torch.equal(grouped_mm_experts_forward(module, x, index.clone(), weights), expected)
+        taken = grouped_mm_experts_forward(module, x, index, weights)
+    assert not torch.allclose(taken, expected)
+    module.routing_plan = RoutingPlan(index, *routing_plan_by_counting(index, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(grouped_mm_experts_forward(module, x, index, weights), expected)

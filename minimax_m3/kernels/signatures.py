@@ -9,7 +9,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
 __all__ = ["sparse_attention_fake_arguments", "sparse_decode_attention_arguments", "grouped_gemv_arguments",
-           "qk_norm_rope_arguments"]
+           "qk_norm_rope_arguments", "decode_routing_arguments"]
 
 SCALE = 0.08838834764831845
 
@@ -100,3 +100,19 @@ def qk_norm_rope_arguments(num_heads: int = 64, num_kv_heads: int = 4, head_dim:
     v, values = (projected(num_kv_heads), cache()) if with_values else (None, None)
     return (projected(num_heads), projected(num_kv_heads), v, weight, weight, angles, angles,
             slots, slots, q_out, cache(), values, cutlass.Float32(1e-6), make_fake_stream(use_tvm_ffi_env_stream=True))
+
+
+def decode_routing_arguments(top_k: int = 4):
+    """Fake tensors for ``DecodeRoutingSm90(top_k).__call__`` (TVM-FFI calls): the router's fp32 logits ``[T, E]``
+    and the bias ``[E]``, the chosen experts ``[T, top_k]`` int64 and their fp32 weights, the routing plan's
+    ``token_of_row`` and ``slot_of_pair`` ``[T * top_k]`` int64 and ``offsets`` ``[E]`` int32; every extent dynamic."""
+    tokens, experts, pairs = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    logits = make_fake_tensor(cutlass.Float32, (tokens, experts), (cute.sym_int64(), 1), assumed_align=4)
+    bias = make_fake_tensor(cutlass.Float32, (experts,), (1,), assumed_align=4)
+    chosen = make_fake_tensor(cutlass.Int64, (tokens, top_k), (top_k, 1), assumed_align=8)
+    weights = make_fake_tensor(cutlass.Float32, (tokens, top_k), (top_k, 1), assumed_align=4)
+    token_of_row = make_fake_tensor(cutlass.Int64, (pairs,), (1,), assumed_align=8)
+    offsets = make_fake_tensor(cutlass.Int32, (experts,), (1,), assumed_align=4)
+    slot_of_pair = make_fake_tensor(cutlass.Int64, (pairs,), (1,), assumed_align=8)
+    return (logits, bias, chosen, weights, token_of_row, offsets, slot_of_pair, cutlass.Float32(1.0),
+            make_fake_stream(use_tvm_ffi_env_stream=True))
