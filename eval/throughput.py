@@ -551,7 +551,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="checkpoint directory instead of a preset")
     parser.add_argument("--modes", default=",".join(ALL_MODES), help=f"comma-separated, of {','.join(ALL_MODES)}")
     parser.add_argument("--lengths", default=None,
-                        help=f"fresh prompt lengths (default {GPU_DEFAULTS['lengths']} on CUDA, {CPU_DEFAULTS['lengths']} otherwise)")
+                        help=f"fresh prompt lengths (default {GPU_DEFAULTS['lengths']} on CUDA, {CPU_DEFAULTS['lengths']} otherwise; "
+                             "empty: none)")
     parser.add_argument("--batch-sizes", default="1", help="comma-separated; every length runs at every batch size")
     parser.add_argument("--chunked-context", type=int, default=None,
                         help=f"context of the chunked prefill (default {GPU_DEFAULTS['chunked_context']} on CUDA, "
@@ -634,10 +635,11 @@ def resolve_arguments(args) -> dict:
     spec = ModelSpec(preset=preset, path=args.model, dtype=dtype, device=device, device_map=device_map,
                      sparse_layers=args.sparse_layers, sparse_attention=args.sparse_attention)
 
-    lengths = _ints(args.lengths or defaults["lengths"], "--lengths")
+    lengths = _ints(defaults["lengths"] if args.lengths is None else args.lengths, "--lengths")
     batch_sizes = _ints(args.batch_sizes, "--batch-sizes")
-    if not lengths or not batch_sizes or 0 in lengths or 0 in batch_sizes:
-        raise SystemExit("--lengths and --batch-sizes must list positive integers")
+    if not batch_sizes or 0 in lengths or 0 in batch_sizes:
+        raise SystemExit("--lengths and --batch-sizes must list positive integers (--lengths may be empty: no "
+                         "fresh prompts)")
     workloads = [Workload("fresh", length, batch) for batch in batch_sizes for length in lengths]
     context = defaults["chunked_context"] if args.chunked_context is None else args.chunked_context
     chunk_size = defaults["chunk_size"] if args.chunk_size is None else args.chunk_size
@@ -663,6 +665,9 @@ def resolve_arguments(args) -> dict:
         if turns_prefix < 0 or turn_tokens < 1 or turns < 1:
             raise SystemExit("--turns-prefix must not be negative, --turn-tokens and --turns must be >= 1")
         workloads += [Workload("turns", turns_prefix, batch, turn_tokens, steps=turns) for batch in batch_sizes]
+    if not workloads:
+        raise SystemExit("nothing to run: --lengths, --chunked-context, --decode-contexts and --turns-prefix are all "
+                         "empty or 0")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in ALL_MODES]
     if unknown or not modes:

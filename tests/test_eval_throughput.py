@@ -231,3 +231,21 @@ def test_a_configuration_whose_timings_spread_beyond_1_5x_is_flagged_noisy(isola
     assert set(bars) == {"sparse", "dense"}
     segments = [segment.tolist() for segment in bars["dense"].lines[2][0].get_segments()]  # x by x: min to max
     assert segments == [[[32, pytest.approx(32 / 3)], [32, 32]], [[64, pytest.approx(64 / 3)], [64, 32]]]
+
+
+def test_empty_lengths_run_no_fresh_prompts_and_nothing_to_run_is_an_error(isolated, capsys):
+    """``--lengths ""`` means no fresh prompts, as an empty ``--attention-lengths`` or ``--decode-contexts`` means
+    none of theirs (it used to fall back to the default lengths); a run with no workload at all stops before it
+    writes anything."""
+    output = isolated / "decode_only.json"
+    throughput.run_command(["--preset", "tiny", "--modes", "sparse,dense", "--lengths", "", "--chunked-context", "0",
+                            "--attention-lengths", "", "--seeds", "0", "--decode-contexts", "96", "--decode-steps", "1",
+                            "--turns-prefix", "0", "--no-plot", "--output", str(output)])
+    saved = json.loads(output.read_text())
+    assert {r["workload"] for r in saved["results"]} == {"decode"}
+    assert "| fresh" not in capsys.readouterr().out
+    empty = isolated / "nothing.json"
+    with pytest.raises(SystemExit, match="nothing to run"):
+        throughput.run_command(["--preset", "tiny", "--lengths", "", "--chunked-context", "0", "--decode-contexts", "",
+                                "--turns-prefix", "0", "--output", str(empty)])
+    assert not empty.exists()
