@@ -7,7 +7,9 @@ index keys (``fill_random_context``: a step's work does not depend on how the co
 (default on CUDA, as ``generate`` runs) or ``--eager``. Prints the median step time (CUDA events; host clock on CPU)
 and the torch profiler's kernels per step, grouped by name: how many, and their time. ``--eager --by-operator``
 groups the device time by operator and input shapes instead, which tells GEMMs of different shapes apart (a graph
-replay records no operators).
+replay records no operators). ``--timeline`` (CUDA) also prints one more step's kernels in the order they ran, each
+with its start, duration and stream, and how much of the step no kernel covered: with the step's branches on two
+streams the kernels' summed time exceeds the step's, and what counts is which kernels lie on the longer branch.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from .bench_prefill import build, geometry_config
 from .cache import MiniMaxM3StaticCache
 from .timing import median_cuda_ms
 
-__all__ = ["fill_random_context", "decode_step_profile", "kernel_label", "main"]
+__all__ = ["fill_random_context", "decode_step_profile", "kernel_label", "main", "timeline_summary"]
 
 _QUALIFIER = re.compile(r"(?:\(anonymous namespace\)|[A-Za-z_]\w*)::")
 
@@ -50,9 +52,28 @@ def fill_random_context(model, cache: MiniMaxM3StaticCache, prompt: torch.Tensor
     cache.columns_seen = length
 
 
-def decode_step_profile(model, *, context: int, batch: int, steps: int, graphs: bool, by_operator: bool = False) -> dict:
+def timeline_summary(kernels) -> dict:
+    """Of one step's kernels ``[(start, end, stream, name)]`` (µs, any order): the span from the first start to the
+    last end, the time some kernel ran (the union of their intervals), the idle rest, and the summed kernel time."""
+    ordered = sorted(kernels)
+    busy, covered_to = 0.0, None
+    for start, end, _, _ in ordered:
+        if covered_to is None or start > covered_to:
+            busy += end - start
+            covered_to = end
+        elif end > covered_to:
+            busy += end - covered_to
+            covered_to = end
+    span = (max(end for _, end, _, _ in ordered) - ordered[0][0]) if ordered else 0.0
+    return {"span_us": span, "busy_us": busy, "idle_us": span - busy,
+            "kernel_us": sum(end - start for start, end, _, _ in ordered)}
+
+
+def decode_step_profile(model, *, context: int, batch: int, steps: int, graphs: bool, by_operator: bool = False,
+                        timeline: bool = False) -> dict:
     """Median seconds per step and the profiled kernels (CUDA) or operators (CPU) per step; ``by_operator``: per
-    (operator, input shapes) instead, with the device time of the kernels each launched itself (CUDA, eager)."""
+    (operator, input shapes) instead, with the device time of the kernels each launched itself (CUDA, eager);
+    ``timeline``: also one more step's kernels as ``[(start µs from the step's first, end, stream, name)]``."""
     if by_operator and graphs:
         raise ValueError("by_operator needs eager steps (graphs=False): a graph replay records no operators")
     device = model.get_input_embeddings().weight.device
@@ -104,7 +125,18 @@ def decode_step_profile(model, *, context: int, batch: int, steps: int, graphs: 
         entry[0] += 1
         entry[1] += (event.device_time if on_device else event.cpu_time)
     per_step = {name: (count / steps, total / steps) for name, (count, total) in kernels.items()}
-    return {"seconds": median_seconds, "per_step": per_step, "device": str(device), "graphs": graphs}
+    result = {"seconds": median_seconds, "per_step": per_step, "device": str(device), "graphs": graphs}
+    if timeline:
+        if not cuda:
+            raise ValueError("timeline needs CUDA: it orders the step's kernels on the device")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            step()
+            torch.cuda.synchronize()
+        spans = [(event.time_range.start, event.time_range.end, event.device_resource_id, event.name)
+                 for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+        first = min((start for start, _, _, _ in spans), default=0.0)
+        result["timeline"] = sorted((start - first, end - first, stream, name) for start, end, stream, name in spans)
+    return result
 
 
 def main(argv=None) -> None:
@@ -120,14 +152,18 @@ def main(argv=None) -> None:
     parser.add_argument("--tiny", action="store_true", help="the CPU-sized geometry")
     parser.add_argument("--device", type=device_argument, default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--top", type=positive_int, default=25, help="kernel names to list")
+    parser.add_argument("--timeline", action="store_true",
+                        help="CUDA: one more step's kernels in order, with start, duration and stream")
     args = parser.parse_args(argv)
     if args.by_operator and not args.eager:
         parser.error("--by-operator needs --eager: a CUDA graph replay records no operators")
     device = args.device
+    if args.timeline and device.type != "cuda":
+        parser.error("--timeline needs a CUDA device: it orders the step's kernels on the device")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build(args.mode, geometry_config(args.sparse_layers, tiny=args.tiny), device, dtype)
     result = decode_step_profile(model, context=args.context, batch=args.batch, steps=args.steps,
-                                 graphs=not args.eager, by_operator=args.by_operator)
+                                 graphs=not args.eager, by_operator=args.by_operator, timeline=args.timeline)
     rows = sorted(result["per_step"].items(), key=lambda item: -item[1][1])
     unit = "kernels" if device.type == "cuda" and not args.by_operator else "operators"
     print(f"{args.mode}, context {args.context:,}, batch {args.batch}, {'graphs' if not args.eager else 'eager'} on "
@@ -138,6 +174,15 @@ def main(argv=None) -> None:
     for name, (count, micros) in rows[: args.top]:
         label = kernel_label(name) if unit == "kernels" else name[:150]
         print(f"| {label} | {count:g} | {micros:,.1f} |")
+    if args.timeline:
+        kernels = result["timeline"]
+        summary = timeline_summary(kernels)
+        print(f"\none more step: {len(kernels)} kernels over {summary['span_us']:,.1f} us, some kernel running for "
+              f"{summary['busy_us']:,.1f} us (idle {summary['idle_us']:,.1f} us), {summary['kernel_us']:,.1f} us of "
+              f"kernels summed")
+        print("| start us | us | stream | kernel |\n|---|---|---|---|")
+        for start, end, stream, name in kernels:
+            print(f"| {start:,.1f} | {end - start:.1f} | {stream} | {kernel_label(name, 90)} |")
 
 
 if __name__ == "__main__":

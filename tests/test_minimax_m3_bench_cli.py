@@ -137,3 +137,16 @@ def test_kernel_labels_keep_the_functor_that_tells_elementwise_kernels_apart():
     label = bench_decode.kernel_label(name, width=60)
     assert label == "vectorized_elementwise_kernel<8, CUDAFunctor_add<BFloat16>, array<char*, 3ul> >"[:60]
     assert bench_decode.kernel_label("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT") == "nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT"
+
+
+def test_bench_decode_timeline_needs_cuda(capsys, no_work):
+    assert "--timeline needs a CUDA device" in refused(bench_decode.main, ["--tiny", "--device", "cpu", "--timeline"],
+                                                       capsys)
+
+
+def test_a_step_timeline_counts_overlapping_kernels_once_and_the_gaps_as_idle():
+    # stream 7: 0-10 and 12-20; stream 8: 5-15 overlaps both; then a lone kernel 30-31
+    kernels = [(12.0, 20.0, 7, "b"), (0.0, 10.0, 7, "a"), (5.0, 15.0, 8, "c"), (30.0, 31.0, 7, "d")]
+    assert bench_decode.timeline_summary(kernels) == {"span_us": 31.0, "busy_us": 21.0, "idle_us": 10.0,
+                                                      "kernel_us": 29.0}
+    assert bench_decode.timeline_summary([]) == {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "kernel_us": 0.0}
