@@ -8,8 +8,9 @@ index keys (``fill_random_context``: a step's work does not depend on how the co
 and the torch profiler's kernels per step, grouped by name: how many, and their time. ``--eager --by-operator``
 groups the device time by operator and input shapes instead, which tells GEMMs of different shapes apart (a graph
 replay records no operators). ``--timeline`` (CUDA) also prints one more step's kernels in the order they ran, each
-with its start, duration and stream, and how much of the step no kernel covered: with the step's branches on two
-streams the kernels' summed time exceeds the step's, and what counts is which kernels lie on the longer branch.
+with its start, duration and the stream the profiler reports (a graph replay may report its launch stream for every
+node), and how much of the step no kernel covered: with the step's branches on two streams the kernels' summed time
+exceeds the step's, and what counts is which kernels lie on the longer branch (overlapping starts and ends show it).
 """
 
 from __future__ import annotations
