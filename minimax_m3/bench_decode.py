@@ -78,6 +78,8 @@ def decode_step_profile(model, *, context: int, batch: int, steps: int, graphs: 
     if by_operator and graphs:
         raise ValueError("by_operator needs eager steps (graphs=False): a graph replay records no operators")
     device = model.get_input_embeddings().weight.device
+    if timeline and device.type != "cuda":
+        raise ValueError("timeline needs CUDA: it orders the step's kernels on the device")
     generator = torch.Generator(device=device).manual_seed(0)
     prompt = torch.randint(3, model.config.vocab_size, (batch, 1), device=device, generator=generator)
     cache = MiniMaxM3StaticCache(model.config, max_cache_len=context + 3 * steps + 2)
@@ -128,8 +130,6 @@ def decode_step_profile(model, *, context: int, batch: int, steps: int, graphs: 
     per_step = {name: (count / steps, total / steps) for name, (count, total) in kernels.items()}
     result = {"seconds": median_seconds, "per_step": per_step, "device": str(device), "graphs": graphs}
     if timeline:
-        if not cuda:
-            raise ValueError("timeline needs CUDA: it orders the step's kernels on the device")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
             step()
             torch.cuda.synchronize()

@@ -150,3 +150,15 @@ def test_a_step_timeline_counts_overlapping_kernels_once_and_the_gaps_as_idle():
     assert bench_decode.timeline_summary(kernels) == {"span_us": 31.0, "busy_us": 21.0, "idle_us": 10.0,
                                                       "kernel_us": 29.0}
     assert bench_decode.timeline_summary([]) == {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "kernel_us": 0.0}
+
+
+def test_a_timeline_of_a_cpu_model_is_refused_before_any_step():
+    class CpuModel:
+        def get_input_embeddings(self):
+            return torch.nn.Embedding(2, 2)
+
+        def __call__(self, *args, **kwargs):
+            raise AssertionError("no step may run")
+
+    with pytest.raises(ValueError, match="timeline needs CUDA"):
+        bench_decode.decode_step_profile(CpuModel(), context=16, batch=1, steps=1, graphs=False, timeline=True)
