@@ -404,10 +404,9 @@ class MiniMaxM3Attention(nn.Module):
                                  index_dtype=index_dtype)[:, 0]
 
     def cache_index_keys_and_select(self, x, cos, sin, cache: MiniMaxM3Cache, metadata: ForwardMetadata,
-                                    page_selector: PageSelector, projected=None) -> Optional[torch.Tensor]:
+                                    page_selector: PageSelector) -> Optional[torch.Tensor]:
         """Write the new tokens' index keys to the cache and, in sparse mode, return the indexer's page selection
-        (dense mode computes no index queries: only the cache, which a later sparse forward reads, needs the keys).
-        ``projected``: the index projections of ``x`` when the caller made them (sparse mode)."""
+        (dense mode computes no index queries: only the cache, which a later sparse forward reads, needs the keys)."""
         c = self.config
         # the selection is discrete, so no gradient reaches the indexer through it (it trains on a KL of its
         # scores, through index_query_key); without a graph the index path also stays off autograd under training
@@ -415,7 +414,7 @@ class MiniMaxM3Attention(nn.Module):
             if c.attention_mode != "sparse":
                 index_q, index_k = None, self.index_key(x, cos, sin, index_dtype=c.index_dtype)
             else:
-                query, key = projected or self._projected_index_query_key(x)
+                query, key = self._projected_index_query_key(x)
                 index_q = write_decode_index_inputs(self, query, key, cos, sin, cache, metadata, c.index_dtype)
                 if index_q is not None:  # a decode step: both norms, RoPE, the casts and the key's write in one kernel
                     return page_selector.select(cache.index_pages(self.layer_idx), cache.block_table(x.device),
@@ -441,16 +440,10 @@ class MiniMaxM3Attention(nn.Module):
             return q, keys, values
 
         if self.is_sparse:
-            projected = None
-            if self.config.attention_mode == "sparse" and x.is_cuda and torch.cuda.is_current_stream_capturing():
-                # the index projection before the branches, alone: beside attention's projection both read
-                # weights at once and the small one took 4x its time, the longer branch's first step
-                with torch.no_grad():
-                    projected = self._projected_index_query_key(x)
             # the index path shares nothing with attention's projections until attention reads the selection: in a
             # captured decode step the two run side by side (``streams``)
             selection, (q, keys, values) = run_branches(
-                lambda: self.cache_index_keys_and_select(x, cos, sin, cache, metadata, page_selector, projected),
+                lambda: self.cache_index_keys_and_select(x, cos, sin, cache, metadata, page_selector),
                 attention_inputs, x.device)
         else:
             selection = None
