@@ -8,9 +8,10 @@ index keys (``fill_random_context``: a step's work does not depend on how the co
 and the torch profiler's kernels per step, grouped by name: how many, and their time. ``--eager --by-operator``
 groups the device time by operator and input shapes instead, which tells GEMMs of different shapes apart (a graph
 replay records no operators). ``--timeline`` (CUDA) also prints one more step's kernels in the order they ran, each
-with its start, duration and the stream the profiler reports (a graph replay may report its launch stream for every
-node), and how much of the step no kernel covered: with the step's branches on two streams the kernels' summed time
-exceeds the step's, and what counts is which kernels lie on the longer branch (overlapping starts and ends show it).
+with its start, duration and the stream the profiler reports (in a graph replay, the streams the graph's branches
+ran on, which need not be the capture's), and how much of the step's kernel span no kernel covered: with the step's
+branches on two streams the kernels' summed time exceeds the step's, and what counts is which kernels lie on the
+longer branch (overlapping starts and ends show it).
 """
 
 from __future__ import annotations
@@ -55,8 +56,10 @@ def fill_random_context(model, cache: MiniMaxM3StaticCache, prompt: torch.Tensor
 
 def timeline_summary(kernels) -> dict:
     """Of one step's kernels ``[(start, end, stream, name)]`` (µs, any order): the span from the first start to the
-    last end, the time some kernel ran (the union of their intervals), the idle rest, and the summed kernel time."""
-    ordered = sorted(kernels)
+    last end, the time some kernel ran (the union of their intervals), the idle rest, and the summed kernel time.
+    Memory copies and sets are left out: a step stages its inputs by copies the host issues before it launches the
+    graph, and the host's time between them would count as the device's idle time."""
+    ordered = sorted(kernel for kernel in kernels if not kernel[3].startswith(("Memcpy", "Memset")))
     busy, covered_to = 0.0, None
     for start, end, _, _ in ordered:
         if covered_to is None or start > covered_to:
@@ -178,9 +181,9 @@ def main(argv=None) -> None:
     if args.timeline:
         kernels = result["timeline"]
         summary = timeline_summary(kernels)
-        print(f"\none more step: {len(kernels)} kernels over {summary['span_us']:,.1f} us, some kernel running for "
-              f"{summary['busy_us']:,.1f} us (idle {summary['idle_us']:,.1f} us), {summary['kernel_us']:,.1f} us of "
-              f"kernels summed")
+        print(f"\none more step: {len(kernels)} kernels and copies; the kernels span {summary['span_us']:,.1f} us, "
+              f"some kernel running for {summary['busy_us']:,.1f} us (idle {summary['idle_us']:,.1f} us), "
+              f"{summary['kernel_us']:,.1f} us of kernels summed")
         print("| start us | us | stream | kernel |\n|---|---|---|---|")
         for start, end, stream, name in kernels:
             print(f"| {start:,.1f} | {end - start:.1f} | {stream} | {kernel_label(name, 90)} |")

@@ -150,6 +150,9 @@ def test_a_step_timeline_counts_overlapping_kernels_once_and_the_gaps_as_idle():
     assert bench_decode.timeline_summary(kernels) == {"span_us": 31.0, "busy_us": 21.0, "idle_us": 10.0,
                                                       "kernel_us": 29.0}
     assert bench_decode.timeline_summary([]) == {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "kernel_us": 0.0}
+    # the inputs staged by copies long before the graph's kernels (host time) are not the device's idle time
+    staged = [(-2200.0, -2199.0, 7, "Memcpy DtoD (Device -> Device)"), (-3.0, -2.0, 7, "Memset (Device)")]
+    assert bench_decode.timeline_summary(staged + kernels) == bench_decode.timeline_summary(kernels)
 
 
 def test_a_timeline_of_a_cpu_model_is_refused_before_any_step():
