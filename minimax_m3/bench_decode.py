@@ -57,9 +57,11 @@ def fill_random_context(model, cache: MiniMaxM3StaticCache, prompt: torch.Tensor
 def timeline_summary(kernels) -> dict:
     """Of one step's kernels ``[(start, end, stream, name)]`` (µs, any order): the span from the first start to the
     last end, the time some kernel ran (the union of their intervals), the idle rest, and the summed kernel time.
-    Memory copies and sets are left out: a step stages its inputs by copies the host issues before it launches the
-    graph, and the host's time between them would count as the device's idle time."""
-    ordered = sorted(kernel for kernel in kernels if not kernel[3].startswith(("Memcpy", "Memset")))
+    The span starts at the first kernel that is not a memory copy or set: a step stages its inputs by copies the host
+    issues before it launches the graph, and the host's time between them is not the device's idle time; copies
+    inside the span count as work."""
+    first = min((start for start, _, _, name in kernels if not name.startswith(("Memcpy", "Memset"))), default=None)
+    ordered = sorted(kernel for kernel in kernels if first is not None and kernel[0] >= first)
     busy, covered_to = 0.0, None
     for start, end, _, _ in ordered:
         if covered_to is None or start > covered_to:

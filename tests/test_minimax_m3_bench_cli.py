@@ -153,6 +153,10 @@ def test_a_step_timeline_counts_overlapping_kernels_once_and_the_gaps_as_idle():
     # the inputs staged by copies long before the graph's kernels (host time) are not the device's idle time
     staged = [(-2200.0, -2199.0, 7, "Memcpy DtoD (Device -> Device)"), (-3.0, -2.0, 7, "Memset (Device)")]
     assert bench_decode.timeline_summary(staged + kernels) == bench_decode.timeline_summary(kernels)
+    # a copy inside the step is work: it fills part of the gap 20-30
+    inside = [(22.0, 25.0, 7, "Memcpy DtoD (Device -> Device)")]
+    assert bench_decode.timeline_summary(staged + kernels + inside) == {"span_us": 31.0, "busy_us": 24.0,
+                                                                        "idle_us": 7.0, "kernel_us": 32.0}
 
 
 def test_a_timeline_of_a_cpu_model_is_refused_before_any_step():
