@@ -58,6 +58,10 @@ def attention_oracle_selection(model) -> Iterator[object]:
             indexed = indexer_select(x, cos, sin, cache, metadata, page_selector)
             if indexed is None:  # dense mode: no selection to replace
                 return None
+            if metadata.step is not None:
+                raise ValueError("the attention oracle selects in forwards with host lengths (prefills, chunks, "
+                                 "cached continuations), not in captured decode steps: call the model with "
+                                 "decode_cuda_graphs=False under the oracle")
             config = attention.config
             with torch.no_grad():
                 q, k, _ = attention.query_key_value(x, cos, sin)
