@@ -6,8 +6,7 @@ import torch
 
 import minimax_m3  # noqa: F401
 from eval.default_model import _initialise, tiny_config
-from eval.indexer_distillation import (history_rows, indexer_distillation_loss, indexer_parameter_names,
-                                       page_distribution_kl)
+from eval.indexer_distillation import indexer_distillation_loss, indexer_parameter_names, page_distribution_kl
 from eval.layer_inputs import capture_sparse_layer_inputs
 from eval.modes import attention_mode
 from eval.recall import RecallAccumulator, indexer_recall
@@ -69,37 +68,6 @@ def test_kl_is_zero_when_the_indexer_distribution_is_the_attention_mass():
     # any other distribution is farther away
     other = torch.where(causal, torch.randn_like(mass), float("-inf"))
     assert torch.all(page_distribution_kl(other, mass)[positions >= 8] > 0)
-
-
-def test_the_history_kl_is_the_kl_of_the_renormalised_history_pages():
-    q, keys, _ = random_attention_inputs(seed=5)
-    positions = torch.arange(q.shape[0])
-    mass = dense_attention_page_mass(q, keys, positions, scale=0.5, page_size=8)
-    own_page = positions // 8
-    causal = torch.arange(mass.shape[2])[None, None, :] <= own_page[:, None, None]
-    scores = torch.where(causal, torch.randn_like(mass), float("-inf")).requires_grad_(True)
-    kl = page_distribution_kl(scores, mass, pages="history")
-    for t in range(q.shape[0]):
-        for g in range(mass.shape[1]):
-            history = int(own_page[t])
-            if history == 0:
-                assert kl[t, g] == 0  # nothing to rank
-                continue
-            target = mass[t, g, :history] / mass[t, g, :history].sum()
-            prediction = torch.softmax(scores[t, g, :history].detach(), dim=0)
-            expected = float((target * (target / prediction).log()).sum())
-            assert float(kl[t, g].detach()) == pytest.approx(expected, rel=1e-9, abs=1e-12)
-    kl.sum().backward()
-    assert torch.isfinite(scores.grad).all()
-    assert torch.all(scores.grad[torch.arange(45), :, own_page] == 0)  # the own page's score plays no part
-    assert history_rows(scores) == 2 * int((own_page > 0).sum())
-    # the history's log-mass plus any constant, whatever the own page scores: zero
-    exact = torch.where(causal, mass.log() + 3.0, float("-inf"))
-    exact[torch.arange(45), :, own_page] = -7.0
-    torch.testing.assert_close(page_distribution_kl(exact, mass, pages="history"), torch.zeros(45, 2, dtype=torch.float64),
-                               atol=1e-12, rtol=0)
-    with pytest.raises(ValueError, match="pages must be one of"):
-        page_distribution_kl(scores, mass, pages="own")
 
 
 def test_distillation_loss_trains_only_the_indexer(tiny_model):

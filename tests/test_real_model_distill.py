@@ -23,8 +23,8 @@ def windows(count, length=40, seed=0):
     return [torch.randint(3, 101, (length,), generator=generator) for _ in range(count)]
 
 
-def distiller(tmp_path, model=None, steps=12, kl_pages="causal", **kwargs):
-    plan = DistillationPlan(steps=steps, learning_rate=2e-2, warmup_steps=2, checkpoint_every=4, kl_pages=kl_pages)
+def distiller(tmp_path, model=None, steps=12, **kwargs):
+    plan = DistillationPlan(steps=steps, learning_rate=2e-2, warmup_steps=2, checkpoint_every=4)
     train = windows(3)
     return IndexerDistiller(model or converted(), train, train[:2], plan=plan, output=tmp_path, device="cpu", **kwargs)
 
@@ -43,24 +43,6 @@ def test_distillation_lowers_the_kl_and_trains_only_the_indexer(tmp_path):
     fresh = converted()
     load_indexer(fresh, tmp_path / INDEXER_FILE)
     assert held_out_kl(fresh, windows(3)[:2], "cpu")["mean"] == pytest.approx(record["held_out_kl_after"]["mean"])
-
-
-def test_distillation_on_the_history_pages_lowers_their_kl(tmp_path):
-    record = distiller(tmp_path, kl_pages="history").run()
-    before, after = record["held_out_kl_before"], record["held_out_kl_after"]
-    assert after["history"]["mean"] < 0.8 * before["history"]["mean"]
-    assert set(after) == {"mean", "per_layer", "history"}  # the KL over all causal pages too, to compare runs
-    assert record["settings"]["plan"]["kl_pages"] == "history"
-
-
-def test_a_state_from_before_the_kl_pages_option_resumes_as_causal(tmp_path):
-    distiller(tmp_path).run(max_seconds=0)
-    state = torch.load(tmp_path / "state.pt", weights_only=False)
-    del state["settings"]["plan"]["kl_pages"]
-    torch.save(state, tmp_path / "state.pt")
-    assert distiller(tmp_path).step == 1
-    with pytest.raises(ValueError, match=r"other settings \(plan.kl_pages\)"):
-        distiller(tmp_path, kl_pages="history")
 
 
 def test_an_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path):
@@ -98,8 +80,7 @@ def test_an_indexer_file_of_another_model_is_refused_before_copying(tmp_path):
 
 @pytest.mark.parametrize("overrides, text", [(dict(steps=0), "steps must be an int >= 1"),
                                              (dict(learning_rate=float("nan")), "learning_rate must be a finite"),
-                                             (dict(warmup_steps=-1), "warmup_steps must be an int >= 0"),
-                                             (dict(kl_pages="own"), "kl_pages must be one of")])
+                                             (dict(warmup_steps=-1), "warmup_steps must be an int >= 0")])
 def test_a_bad_plan_raises(overrides, text):
     with pytest.raises(ValueError, match=text):
         DistillationPlan(**overrides)

@@ -58,9 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
     distill.add_argument("--max-minutes", type=float, default=None, help="stop (state saved) after this long")
     distill.add_argument("--output", default=None, help="state and export directory (default: runs/real-model-indexer-index<D>)")
     distill.add_argument("--seed", type=int, default=0)
-    distill.add_argument("--kl-pages", choices=("causal", "history"), default="causal",
-                         help="the KL over every causal page, or over the history pages alone (the own page, which "
-                              "the selection always takes, left out and both distributions renormalised)")
 
     evaluate = common(commands.add_parser("evaluate", help="dense vs sparse variants on the held-out books"))
     evaluate.add_argument("--indexer", default=None,
@@ -167,7 +164,7 @@ def run_distill(args) -> dict:
     for name in ("length", "steps", "held_out_windows"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    plan = DistillationPlan(steps=args.steps, learning_rate=args.learning_rate, seed=args.seed, kl_pages=args.kl_pages)
+    plan = DistillationPlan(steps=args.steps, learning_rate=args.learning_rate, seed=args.seed)
     device = checked_device(args.device)
     directory = _model_dir(args)
     model, tokenizer = load_prepared(directory, device)
