@@ -16,9 +16,10 @@ Variants (``VARIANTS``), all on the same weights: ``dense`` (every layer full at
 indexer, FP8 index path as served), ``sparse-bf16-index`` (the index path in bf16), ``untrained-indexer`` (the
 indexer's projections and norms re-initialised, FP8) and ``sliding-window`` (the 16 most recent pages:
 ``page_selection="recent"``); by name also ``attention-oracle`` (each token and KV group reads the pages of the most
-dense attention mass, ``eval.oracle_selection``: the bound of what indexer training can reach). Per length and variant: both metrics per task, their paired exact McNemar p-values
-against ``dense`` and, for the sparse variants, the recall of each sparse layer (``eval.recall``: the share of dense
-attention mass in the selected pages) on the first ``--recall-documents`` documents of each task.
+dense attention mass, ``eval.oracle_selection``: the bound of what indexer training can reach). Per length and
+variant: both metrics per task, their paired exact McNemar p-values against ``dense`` and, for the sparse variants,
+the recall of each sparse layer (``eval.recall``: the share of dense attention mass in the selected pages) on the
+first ``--recall-documents`` documents of each task.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ def page_mass_by_loop(attention, layer_input, token, group):
         logits = (k[: token + 1, group].double() @ q[token, head].double()) * attention.scale
         probabilities = torch.softmax(logits, dim=0)
         for page in range(pages):
-            mass[page] += float(probabilities[page * config.index_block_size : (page + 1) * config.index_block_size].sum())
+            keys_of_page = slice(page * config.index_block_size, (page + 1) * config.index_block_size)
+            mass[page] += float(probabilities[keys_of_page].sum())
     return mass / heads_per_group
 
 

@@ -195,7 +195,8 @@ def run_evaluate(args) -> dict:
     variants = tuple(VARIANTS if args.variants is None else [v.strip() for v in args.variants.split(",") if v.strip()])
     unknown = [name for name in variants if name not in KNOWN_VARIANTS]
     if unknown or "dense" not in variants:
-        raise UsageError(f"--variants must include dense and be among {', '.join(KNOWN_VARIANTS)}, got {args.variants}")
+        raise UsageError(f"--variants must include dense and be among {', '.join(KNOWN_VARIANTS)}, got "
+                         f"{args.variants}")
     for name in ("windows", "documents"):
         if getattr(args, name) < 2:
             raise UsageError(f"--{name} must be at least 2 (a paired comparison), got {getattr(args, name)}")
@@ -208,8 +209,8 @@ def run_evaluate(args) -> dict:
     needs_trained = [name for name in variants if name in retrieval_accuracy.TRAINED_INDEXER_VARIANTS]
     if not indexer.is_file():
         if args.indexer or needs_trained:
-            raise UsageError(f"--indexer {indexer} does not exist: run python -m eval.real_model distill first, or put "
-                             f"the trained one in place (eval/models/smollm2-135m-indexer64/README.md); variants "
+            raise UsageError(f"--indexer {indexer} does not exist: run python -m eval.real_model distill first, or "
+                             f"put the trained one in place (eval/models/smollm2-135m-indexer64/README.md); variants "
                              f"that read it: {', '.join(needs_trained) or 'none'}")
         indexer = None  # no variant reads the trained indexer: the converted model's own stays in place
     device = checked_device(args.device)

@@ -33,8 +33,8 @@ from ..recall import indexer_recall
 from ..stats import bootstrap_mean_interval
 from .corpus import interleaved, token_windows
 
-__all__ = ["LENGTHS", "BUCKET", "VARIANTS", "KNOWN_VARIANTS", "position_losses", "perplexity_by_position", "needle_documents",
-           "continuation_documents", "window_recall", "evaluate_real_model"]
+__all__ = ["LENGTHS", "BUCKET", "VARIANTS", "KNOWN_VARIANTS", "position_losses", "perplexity_by_position",
+           "needle_documents", "continuation_documents", "window_recall", "evaluate_real_model"]
 
 LENGTHS = (2048, 4096, 8192)
 BUCKET = 2048
