@@ -20,8 +20,8 @@ from minimax_m3.sparse_attention import dense_attention_page_mass
 from .layer_inputs import SparseLayerInput, capture_sparse_layer_inputs, single_pass
 from .modes import attention_mode
 
-__all__ = ["INDEXER_PARAMETER_PREFIXES", "indexer_parameter_names", "page_distribution_kl", "layer_distillation_kl",
-           "indexer_distillation_loss"]
+__all__ = ["INDEXER_PARAMETER_PREFIXES", "indexer_parameter_names", "initialise_indexer_from_attention",
+           "page_distribution_kl", "layer_distillation_kl", "indexer_distillation_loss"]
 
 INDEXER_PARAMETER_PREFIXES = ("index_q_proj", "index_k_proj", "index_q_norm", "index_k_norm")
 
@@ -33,6 +33,34 @@ def indexer_parameter_names(model) -> List[str]:
     if not names:
         raise ValueError("the model has no indexer parameters (no sparse attention layer)")
     return names
+
+
+def initialise_indexer_from_attention(model) -> None:
+    """Start every sparse layer's indexer from the layer's own attention: index head ``g`` projects as the mean of KV
+    group ``g``'s query heads, the shared index key as the mean of the key heads, and the index norms scale by one.
+    Before the norms, an index score is then the layer's attention logits averaged over a group's heads and its key
+    heads: a start near what distillation imitates (docs/ACCURACY.md measured it against random projections). Index
+    heads wider than attention's take attention's dimensions first, which the same rotary frequencies turn; their
+    further (position-free) dimensions keep the values they had. Needs one index head per KV group, at least
+    attention's head size."""
+    config = model.config
+    heads, groups, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    index_dim = config.index_head_dim
+    if config.index_n_heads != groups or index_dim < head_dim:
+        raise ValueError(f"an indexer started from attention needs one index head per KV group ({groups}) of at least "
+                         f"the attention head size ({head_dim}), got {config.index_n_heads} index heads of {index_dim}")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attention = layer.self_attn
+            if not attention.is_sparse:
+                continue
+            queries = attention.q_proj.weight.view(groups, heads // groups, head_dim, -1)
+            keys = attention.k_proj.weight.view(groups, head_dim, -1)
+            # in place: the parameters may be views of the layer's packed projection storage
+            attention.index_q_proj.weight.view(groups, index_dim, -1)[:, :head_dim].copy_(queries.mean(1))
+            attention.index_k_proj.weight[:head_dim].copy_(keys.mean(0))
+            for norm in (attention.index_q_norm, attention.index_k_norm):
+                norm.weight.fill_(1.0 - norm.offset)
 
 
 def page_distribution_kl(index_scores: torch.Tensor, attention_mass: torch.Tensor) -> torch.Tensor:

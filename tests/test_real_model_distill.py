@@ -45,6 +45,64 @@ def test_distillation_lowers_the_kl_and_trains_only_the_indexer(tmp_path):
     assert held_out_kl(fresh, windows(3)[:2], "cpu")["mean"] == pytest.approx(record["held_out_kl_after"]["mean"])
 
 
+@pytest.mark.parametrize("index_head_dim", [8, 12])
+def test_the_indexer_starts_as_its_attention_group_means(tmp_path, index_head_dim):
+    model = convert_llama(random_llama(), index_head_dim=index_head_dim, **CONVERSION)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items() if ".index_" in name}
+    run = distiller(tmp_path, model=model)
+    config = model.config
+    groups, head_dim = config.num_key_value_heads, config.head_dim
+    x = torch.randn(5, config.hidden_size, generator=torch.Generator().manual_seed(3))
+    for index, layer in enumerate(model.model.layers):
+        attention = layer.self_attn
+        if not attention.is_sparse:
+            continue
+        with torch.no_grad():
+            queries = (x @ attention.q_proj.weight.T).view(5, groups, -1, head_dim)
+            keys = (x @ attention.k_proj.weight.T).view(5, groups, head_dim)
+            index_q, index_k = (projection.detach() for projection in attention._projected_index_query_key(x))
+        index_q = index_q.view(5, groups, index_head_dim)
+        torch.testing.assert_close(index_q[..., :head_dim], queries.mean(2), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(index_k[..., :head_dim], keys.mean(1), atol=1e-5, rtol=1e-5)
+        # a wider index head's position-free dimensions keep the converted model's projection
+        prefix = f"model.layers.{index}.self_attn."
+        q_before = before[prefix + "index_q_proj.weight"].view(groups, index_head_dim, -1)[:, head_dim:]
+        torch.testing.assert_close(attention.index_q_proj.weight.view(groups, index_head_dim, -1)[:, head_dim:],
+                                   q_before, atol=0, rtol=0)
+        torch.testing.assert_close(attention.index_k_proj.weight[head_dim:],
+                                   before[prefix + "index_k_proj.weight"][head_dim:], atol=0, rtol=0)
+        for norm in (attention.index_q_norm, attention.index_k_norm):
+            assert torch.all(norm.weight + norm.offset == 1)
+    record = run.run()
+    assert record["complete"] and record["settings"]["indexer_start"] == "attention"
+    assert record["held_out_kl_after"]["mean"] < record["held_out_kl_before"]["mean"]
+    # a resumed run keeps its trained indexer instead of starting from attention again
+    trained = {name: tensor.clone() for name, tensor in model.state_dict().items() if ".index_" in name}
+    again = convert_llama(random_llama(), index_head_dim=index_head_dim, **CONVERSION)
+    distiller(tmp_path, model=again)
+    for name, tensor in trained.items():
+        assert torch.equal(again.state_dict()[name], tensor), name
+
+
+def test_the_state_of_a_run_from_the_random_indexer_is_not_continued(tmp_path):
+    distiller(tmp_path).run(max_seconds=0)
+    state = torch.load(tmp_path / "state.pt", weights_only=False)
+    del state["settings"]["indexer_start"]  # what runs from the converted model's random indexer wrote
+    torch.save(state, tmp_path / "state.pt")
+    with pytest.raises(ValueError, match=r"other settings \(indexer_start\)"):
+        distiller(tmp_path)
+
+
+@pytest.mark.parametrize("field, value", [("index_n_heads", 1), ("index_head_dim", 4)])
+def test_the_attention_start_needs_an_index_head_per_group_of_the_head_size(tmp_path, field, value):
+    model = converted()  # the conversion refuses such geometries itself; a model from elsewhere may have them
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    setattr(model.config, field, value)
+    with pytest.raises(ValueError, match="one index head per KV group"):
+        distiller(tmp_path, model=model)
+    assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
+
+
 def test_an_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path):
     whole = distiller(tmp_path / "whole")
     whole.run()

@@ -1,8 +1,9 @@
 """``distill``: the converted model's new indexer trained on real text by the stage-2 KL to the dense attention's
 page mass (``eval.indexer_distillation``), everything else frozen; resumable, and written atomically.
 
-Every step takes the next window of the training split (a fixed permutation from the seed), runs the dense
-forward without gradients and steps AdamW on the index projections and norms of every sparse layer. The state
+The indexer starts from each layer's own attention (``initialise_indexer_from_attention``). Every step takes the
+next window of the training split (a fixed permutation from the seed), runs the dense forward without gradients and
+steps AdamW on the index projections and norms of every sparse layer. The state
 (indexer, optimizer, step) is saved every ``checkpoint_every`` steps, at a time limit and on Ctrl-C, through a
 temporary file; a later run with the same settings continues from it. The held-out KL is measured before the first
 step and after the last. ``export`` writes only the indexer's tensors (a few MB) with a JSON record of the run.
@@ -20,7 +21,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..indexer_distillation import indexer_distillation_loss, indexer_parameter_names
+from ..indexer_distillation import indexer_distillation_loss, indexer_parameter_names, initialise_indexer_from_attention
 from ..report import atomic_write, write_json
 
 __all__ = ["DistillationPlan", "IndexerDistiller", "held_out_kl", "save_indexer", "load_indexer", "INDEXER_FILE",
@@ -158,9 +159,11 @@ class IndexerDistiller:
             if not resume:
                 raise ValueError(f"{self.state_path} holds a run: continue it (resume) or choose another output")
             self._load_state()
+        else:
+            initialise_indexer_from_attention(model)
 
     def _settings(self) -> dict:
-        return {"plan": asdict(self.plan), "train_windows": len(self.train_windows),
+        return {"plan": asdict(self.plan), "indexer_start": "attention", "train_windows": len(self.train_windows),
                 "window_tokens": int(self.train_windows[0].numel()), **self.description}
 
     def save_state(self) -> None:
