@@ -81,6 +81,8 @@ def kernel_name(key) -> str:
 
     if isinstance(key, ScoreKernelKey):
         store = "exact" if key.exact else ("tma_stores" if key.tma_stores else "masked_stores")
+        if key.page_parallel:
+            store = "page_parallel"
         return f"page_scores_sm90_h{key.num_heads}_{store}"
     if isinstance(key, PlanKernelKey):
         return "task_plan"

@@ -24,6 +24,7 @@ __all__ = [
     "build_kernel",
     "compiled_kernel",
     "score_tile_rows",
+    "score_page_parallel",
     "score_kernel_key",
     "topk_kernel_key",
     "TOPK_ROW_SPLIT_MAX_ROWS",
@@ -35,6 +36,10 @@ FP8_TILE_ROWS = 256
 """Rows per q tile of the FP8 score kernel (4 consumer warpgroups): half the K traffic per score of 128-row tiles."""
 EXACT_TILE_ROWS = 128
 """Rows per q tile of the exact (bf16) score kernel: its operands need twice the shared memory."""
+PAGE_PARALLEL_TILE_ROWS = 64
+"""Rows per q tile of the FP8 kernel's page-parallel variant, which a plan takes when no tile can hold more rows
+(``max_seqlen_q * H`` at most 64: decode and verify steps, short chunks): its four consumer warpgroups share out
+each task's pages instead of its rows."""
 
 TOPK_ROW_SPLIT_MAX_ROWS = 2048
 """Top-k launches of at most this many rows whose buffer has more columns than a warp holds in registers (512: 16 per
@@ -59,6 +64,7 @@ class ScoreKernelKey:
     exact: bool
     tma_stores: bool
     num_ctas: int
+    page_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,8 @@ def kernel_keys(num_ctas: int = 132) -> list:
     """Every kernel the runtime can select on a GPU of ``num_ctas`` SMs, production choices first."""
     keys = [ScoreKernelKey(num_heads, exact=False, tma_stores=True, num_ctas=num_ctas) for num_heads in (1, 2, 4)]
     keys += [TopkKernelKey(1), TopkKernelKey(4), PlanKernelKey()]
+    keys += [ScoreKernelKey(num_heads, exact=False, tma_stores=False, num_ctas=num_ctas, page_parallel=True)
+             for num_heads in (1, 2, 4)]
     keys += [ScoreKernelKey(num_heads, exact=False, tma_stores=False, num_ctas=num_ctas) for num_heads in (1, 2, 4)]
     keys += [ScoreKernelKey(num_heads, exact=True, tma_stores=False, num_ctas=num_ctas) for num_heads in (1, 2, 4)]
     return keys
@@ -90,7 +98,8 @@ def build_kernel(key: KernelKey):
     if isinstance(key, ScoreKernelKey):
         from .kernels.score_sm90 import PageScoreKernelSm90
 
-        return (PageScoreKernelSm90(key.num_heads, exact=key.exact, tma_stores=key.tma_stores, num_ctas=key.num_ctas),
+        return (PageScoreKernelSm90(key.num_heads, exact=key.exact, tma_stores=key.tma_stores,
+                                    page_parallel=key.page_parallel, num_ctas=key.num_ctas),
                 signatures.score_kernel_arguments(key.num_heads, key.exact, key.tma_stores))
     if isinstance(key, PlanKernelKey):
         from .kernels.plan_build import TaskPlanKernel
@@ -114,13 +123,24 @@ def plan_kernel_serves(shape) -> bool:
             and shape.task_capacity * shape.q_tile_capacity <= PLAN_KERNEL_MAX_RANK_STEPS)
 
 
-def score_tile_rows(exact: bool) -> int:
+def score_page_parallel(exact: bool, num_heads: int, max_seqlen_q: int) -> bool:
+    """Whether a plan takes the FP8 kernel's page-parallel variant: no q tile of it can hold more than 64 rows."""
+    return not exact and max_seqlen_q * num_heads <= PAGE_PARALLEL_TILE_ROWS
+
+
+def score_tile_rows(exact: bool, page_parallel: bool = False) -> int:
+    if page_parallel:
+        return PAGE_PARALLEL_TILE_ROWS
     return EXACT_TILE_ROWS if exact else FP8_TILE_ROWS
 
 
-def score_kernel_key(num_heads: int, exact: bool, scores: torch.Tensor, num_ctas: int) -> ScoreKernelKey:
-    """The score kernel for a plan: the FP8 kernel takes TMA stores when the buffer meets TMA's rules (a 16-byte
-    aligned base and a row pitch of whole 16-byte units), the masked write-out otherwise."""
+def score_kernel_key(num_heads: int, exact: bool, scores: torch.Tensor, num_ctas: int,
+                     page_parallel: bool = False) -> ScoreKernelKey:
+    """The score kernel for a plan: the page-parallel variant when the plan's tiles are its 64 rows; otherwise the
+    FP8 kernel takes TMA stores when the buffer meets TMA's rules (a 16-byte aligned base and a row pitch of whole
+    16-byte units), the masked write-out otherwise."""
+    if page_parallel:
+        return ScoreKernelKey(num_heads, False, False, num_ctas, page_parallel=True)
     pitch = scores.stride(0)
     tma_stores = (not exact and scores.data_ptr() % 16 == 0
                   and (scores.shape[0] <= 1 or pitch % SCORE_ALIGNMENT_COLUMNS == 0))

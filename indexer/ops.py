@@ -28,17 +28,18 @@ def page_scores_sm90(
     exact: bool,
     tma_stores: bool,
     num_ctas: int,
+    page_parallel: bool = False,
 ) -> None:
     """Scores of every planned task into ``scores`` (see ``PageScoreKernelSm90``): ``q`` ``[total_q, H, 128]``,
     ``k_pages`` ``[num_pages, 128, 128]``."""
     with torch.cuda.device(q.device):
-        kernel = compiled_kernel(ScoreKernelKey(num_heads, exact, tma_stores, num_ctas))
+        kernel = compiled_kernel(ScoreKernelKey(num_heads, exact, tma_stores, num_ctas, page_parallel))
     kernel(q, k_pages, scores, block_table, descriptors, num_tasks, errors)
 
 
 @page_scores_sm90.register_fake
 def _page_scores_sm90_fake(q, k_pages, scores, block_table, descriptors, num_tasks, errors, num_heads, exact,
-                           tma_stores, num_ctas) -> None:
+                           tma_stores, num_ctas, page_parallel=False) -> None:
     return None
 
 

@@ -302,7 +302,9 @@ class BatchPrefillIndexerQ8KV8Wrapper:
             page_size=self.page_size,
             max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k,
-            tile_rows=cute_backend.score_tile_rows(exact) if kernel else None,
+            tile_rows=(cute_backend.score_tile_rows(exact, cute_backend.score_page_parallel(exact, self.num_heads,
+                                                                                            max_seqlen_q))
+                       if kernel else None),
             num_sms=num_sms,
             request_lengths=request_lengths,
         )
@@ -616,7 +618,9 @@ class _KernelRunner(_Runner):
         super().__init__(settings, parts, metadata, scores, choice, validate)
         shape = parts.plan.shape
         self.exact = exact
-        self.score_key = cute_backend.score_kernel_key(settings.num_heads, exact, scores, shape.num_sms)
+        self.score_key = cute_backend.score_kernel_key(
+            settings.num_heads, exact, scores, shape.num_sms,
+            page_parallel=cute_backend.score_page_parallel(exact, settings.num_heads, shape.max_seqlen_q))
         self.topk_key = cute_backend.topk_kernel_key(scores.shape[0], scores.shape[1])
         self.keys = (self.score_key, self.topk_key)
         self.torch_runners: dict = {}
@@ -688,7 +692,7 @@ class _KernelRunner(_Runner):
 
             key = self.score_key
             ops.page_scores_sm90(q, k_pages, *self.launch_arguments, key.num_heads, key.exact, key.tma_stores,
-                                 key.num_ctas)
+                                 key.num_ctas, key.page_parallel)
         else:
             self.score_kernel(q, k_pages, *self.launch_arguments)
         return self.scores

@@ -47,17 +47,21 @@ def magnitude_bound(case, num_heads, device):
 @pytest.mark.skipif(not sm90(), reason="needs an SM90 GPU")
 @pytest.mark.parametrize("lengths", [
     [(700, 9000), (64, 20000), (1, 129), (300, 300), (129, 4000)],
-    # decode and verify steps: a tile of a few rows, most of its warpgroups idle
+    # decode and verify steps: tiles of a few rows, the page-parallel kernel
     [(1, 40000), (3, 9000), (4, 131), (2, 20000), (1, 20001)],
-], ids=["prefill", "decode"])
+    # short chunks: up to 64 rows per tile at H = 4, still page-parallel
+    [(16, 9000), (9, 40000), (16, 131), (1, 20000), (13, 5000)],
+], ids=["prefill", "decode", "short"])
 @pytest.mark.parametrize("pitch_extra", [37, 40])
 @pytest.mark.parametrize("num_heads", [1, 2, 4])
 def test_scores_match_the_exact_reference_within_the_fp8_bound(num_heads, pitch_extra, lengths):
     case = make_case(lengths, num_heads=num_heads, seed=num_heads)
     results, _, _ = run_both(case, num_heads, pitch_extra=pitch_extra)
     (_, exact), (wrapper, kernel) = results["torch"], results["cute"]
-    assert wrapper.active_backend == "cute" and wrapper.task_plan.shape.tile_rows == 256
-    tile_rows = 256
+    page_parallel = max(q_len for q_len, _ in lengths) * num_heads <= 64
+    tile_rows = 64 if page_parallel else 256
+    assert wrapper.active_backend == "cute" and wrapper.task_plan.shape.tile_rows == tile_rows
+    assert wrapper.kernel_keys[0].page_parallel is page_parallel
     written = ~exact.isnan()
     assert torch.equal(written, ~kernel.isnan()), "the kernel must write exactly the columns p < L"
     bound = magnitude_bound(case, num_heads, exact.device)

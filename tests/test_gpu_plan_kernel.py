@@ -36,7 +36,7 @@ def random_metadata(rng: random.Random):
     if rng.random() < 0.25:
         contexts[rng.randrange(batch)] += rng.choice([-40, 1, 10**7])
     kwargs = dict(num_requests=batch, total_q=total_q, num_heads=num_heads, page_size=128, max_seqlen_q=max_seqlen_q,
-                  max_seqlen_k=max_seqlen_k, tile_rows=rng.choice([128, 256]) // num_heads * num_heads,
+                  max_seqlen_k=max_seqlen_k, tile_rows=rng.choice([64, 128, 256]) // num_heads * num_heads,
                   num_sms=rng.choice([132, 7]))
     return cu, contexts, kwargs
 

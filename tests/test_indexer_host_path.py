@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from indexer import BatchPrefillIndexerQ8KV8Wrapper, backends
+from indexer.planner import plan_shape
 from cases import make_case
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -118,7 +119,10 @@ def test_the_compile_check_compiles_exactly_the_runtimes_kernels(monkeypatch):
     keys = set(cute_backend.kernel_keys())
     for exact in (False, True):
         for scores in (torch.empty(8, 12), torch.empty(8, 13)):
-            assert cute_backend.score_kernel_key(4, exact, scores, 132) in keys
+            for page_parallel in (False, True):
+                key = cute_backend.score_kernel_key(4, exact, scores, 132,
+                                                    page_parallel and cute_backend.score_page_parallel(exact, 4, 16))
+                assert key in keys
     assert {cute_backend.topk_kernel_key(rows, columns) for rows in (1, 2048, 4096) for columns in (16, 600)} <= keys
     assert cute_runtime.TVM_FFI_OPTIONS in cute_runtime.compile_options("--gpu-arch sm_90a")
 
@@ -232,3 +236,22 @@ def test_a_dropped_wrapper_is_freed_without_the_garbage_collector():
     finally:
         if collecting:
             gc.enable()
+
+
+@pytest.mark.parametrize("num_heads", [1, 2, 4])
+def test_plans_whose_tiles_hold_at_most_64_rows_take_the_page_parallel_score_kernel(num_heads):
+    """Decode and verify steps and short chunks (``max_seqlen_q * H <= 64``) take the FP8 kernel's 64-row,
+    page-parallel variant, with direct stores; longer queries and the exact precision keep their tiles."""
+    from indexer import cute_backend
+
+    scores = torch.empty(8, 16)
+    longest = 64 // num_heads
+    for max_seqlen_q, expected in ((1, True), (longest, True), (longest + 1, False), (4096, False)):
+        assert cute_backend.score_page_parallel(False, num_heads, max_seqlen_q) is expected
+        key = cute_backend.score_kernel_key(num_heads, False, scores, 132, page_parallel=expected)
+        assert key.page_parallel is expected and (key.tma_stores is not expected)
+        assert cute_backend.score_tile_rows(False, expected) == (64 if expected else 256)
+        assert not cute_backend.score_page_parallel(True, num_heads, max_seqlen_q)
+    shape = plan_shape(num_requests=4, total_q=4, num_heads=num_heads, page_size=128, max_seqlen_q=1,
+                       max_seqlen_k=131072, tile_rows=cute_backend.score_tile_rows(False, True), num_sms=132)
+    assert shape.tile_tokens == 64 // num_heads

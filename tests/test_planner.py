@@ -115,7 +115,7 @@ lengths_strategy = st.lists(
 @given(
     lengths=lengths_strategy,
     num_heads=st.sampled_from([1, 2, 4]),
-    tile_rows=st.sampled_from([None, 128, 256]),
+    tile_rows=st.sampled_from([None, 64, 128, 256]),
     num_sms=st.sampled_from([3, 16, 132]),
 )
 def test_plan_covers_every_tile_and_page_exactly_once(lengths, num_heads, tile_rows, num_sms):

@@ -125,7 +125,8 @@ class PageScoreKernelSm90:
     threads_per_warpgroup = 128
     rows_per_consumer_warpgroup = 64  # one wgmma M
 
-    def __init__(self, num_heads: int, *, exact: bool = False, tma_stores: bool = False, num_ctas: int = 132):
+    def __init__(self, num_heads: int, *, exact: bool = False, tma_stores: bool = False, page_parallel: bool = False,
+                 num_ctas: int = 132):
         """FP8 (``exact=False``): 256-row tiles of 4 consumer warpgroups, one accumulator each (half the K traffic per
         score of 128-row tiles). A token passed through named barriers makes the warpgroups issue their page's four
         wgmmas in turn (0, 1, 2, 3, 0, ...; it moves on once the four are committed), so that the row-max reductions,
@@ -151,20 +152,29 @@ class PageScoreKernelSm90:
         negative, every value is, their order is reversed, and a min tree gives the max (a second pass, taken only
         then). The page maxima are the float maxima (of two zeros the positive one).
 
+        ``page_parallel`` (FP8): 64-row tiles, for plans whose tiles hold at most 64 rows (decode and verify steps,
+        short chunks). In a 256-row tile such a task keeps one consumer warpgroup busy and three idle, and that one
+        warpgroup's wgmma-reduce chain per page, not the K traffic, sets the time; here the four consumer warpgroups
+        share out the task's pages (warpgroup ``w`` takes every fourth page from the ``w``-th), all on the tile's 64
+        rows, and each stores its rows' page maxima directly (a tile's few rows fill no staging block).
+
         ``num_ctas``: the persistent grid, one CTA per SM.
         """
         if num_heads not in (1, 2, 4):
             raise ValueError(f"num_heads must be 1, 2 or 4, got {num_heads}")
         if tma_stores and exact:
             raise ValueError("tma_stores writes the FP8 variant's staged blocks: the exact variant stores directly")
+        if page_parallel and (exact or tma_stores):
+            raise ValueError("page_parallel is an FP8 variant with direct stores: exact and tma_stores must be False")
         if type(num_ctas) is not int or num_ctas < 1:
             raise ValueError(f"num_ctas must be a positive int, got {num_ctas!r}")
         self.exact = exact
         self.operand_dtype = cutlass.BFloat16 if exact else cutlass.Float8E4M3FN
         operand_bytes = 2 if exact else 1
         consumer_warpgroups = 2 if exact else 4
-        self.issue_ring = not exact
-        self.staged_stores = not exact
+        self.page_parallel = page_parallel
+        self.issue_ring = not exact and not page_parallel
+        self.staged_stores = not exact and not page_parallel
         self.staged_pages = 16
         self.tma_stores = tma_stores
         self.maxima_buffers = 2 if tma_stores else 1
@@ -172,11 +182,12 @@ class PageScoreKernelSm90:
         self.num_ctas = num_ctas
         self.num_consumer_warpgroups = consumer_warpgroups
         self.paired_pages = exact
-        self.tile_rows = self.rows_per_consumer_warpgroup * consumer_warpgroups
+        self.tile_rows = self.rows_per_consumer_warpgroup * (1 if page_parallel else consumer_warpgroups)
         # setmaxnreg only moves registers within the CTA's launch allocation (ptxas's count x threads:
         # 168 x 384 and 96 x 640); asking for more than the producer frees blocks forever.
         self.producer_registers, self.consumer_registers = (40, 232) if exact else (24, 112)
-        self.k_stages = 4 if exact else 8
+        # a page-parallel CTA holds up to four pages in its consumers: more stages keep the loads ahead of them
+        self.k_stages = 4 if exact else (12 if page_parallel else 8)
         self.q_stages = 2  # the next task's Q tile lands while the current pages are consumed
         self.threads_per_cta = (1 + consumer_warpgroups) * self.threads_per_warpgroup
         self.q_tile_bytes = self.tile_rows * self.head_dim * operand_bytes
@@ -233,7 +244,7 @@ class PageScoreKernelSm90:
             warpgroup.OperandMajorMode.K,
             warpgroup.OperandMajorMode.K,
             cutlass.Float32,
-            (self.num_consumer_warpgroups, 1, 1),
+            (1 if self.page_parallel else self.num_consumer_warpgroups, 1, 1),
             tiler_mn=(64, self.page_size),
         )
         sQ_layout = self._smem_layout(self.tile_rows, self.q_stages)
@@ -411,7 +422,8 @@ class PageScoreKernelSm90:
     @cute.jit
     def score(self, tiled_mma, sQ, sK, sMaxima, mScores, tma_atom_scores, mScores_tma, mDescriptors,
               q_pipeline, k_pipeline, consumer_tidx, cta_idx, num_ctas, num_tasks):
-        thr_mma = tiled_mma.get_slice(consumer_tidx)
+        # page_parallel: every consumer warpgroup computes the tile's 64 rows
+        thr_mma = tiled_mma.get_slice(consumer_tidx % self.threads_per_warpgroup if self.page_parallel else consumer_tidx)
         tSrQ = tiled_mma.make_fragment_A(thr_mma.partition_A(sQ))
         tSrK = tiled_mma.make_fragment_B(thr_mma.partition_B(sK))
         tScS = thr_mma.partition_C(cute.make_identity_tensor((self.tile_rows, self.page_size)))
@@ -460,6 +472,10 @@ class PageScoreKernelSm90:
                     warpgroup.wait_group(0)
                     k_release_state = self._release_page(k_pipeline, k_release_state)
                     self._store_page(acc_odd, rows, mScores, page + 1)
+            elif cutlass.const_expr(self.page_parallel):
+                k_read_state, k_release_state = self._score_shared_pages(
+                    tiled_mma, tSrQ, tSrK, tScS, q_state, k_pipeline, k_read_state, k_release_state, rows, mScores,
+                    consumer_warpgroup, page_begin, page_count)
             else:
                 if consumer_warpgroup * self.rows_per_consumer_warpgroup < rows.valid_rows:
                     # One accumulator per warpgroup: while one warpgroup reduces, the others' wgmmas run.
@@ -510,6 +526,26 @@ class PageScoreKernelSm90:
                     self._write_staged_maxima(sMaxima[None, None, 0, consumer_warpgroup], rows, mScores,
                                               consumer_warpgroup, page_begin + page_offset - slot, slot + 1)
         return k_read_state, k_release_state, staging_buffer
+
+    @cute.jit
+    def _score_shared_pages(self, tiled_mma, tSrQ, tSrK, tScS, q_state, k_pipeline, k_read_state, k_release_state,
+                            rows, mScores, consumer_warpgroup, page_begin, page_count):
+        """page_parallel: this warpgroup scores every ``num_consumer_warpgroups``-th page of the task from its own
+        index on and stores the maxima directly; it waits for the others' pages too, so that its release of every
+        stage stays in the stage's phase."""
+        for page_offset in cutlass.range(page_count, unroll=1):
+            if page_offset % self.num_consumer_warpgroups == consumer_warpgroup:
+                acc = cute.make_rmem_tensor(tScS.shape, cutlass.Float32)
+                k_read_state = self._issue_page(tiled_mma, acc, tSrQ, tSrK, q_state, k_pipeline, k_read_state)
+                warpgroup.wait_group(0)
+                k_release_state = self._release_page(k_pipeline, k_release_state)
+                self._store_page(acc, rows, mScores, page_begin + page_offset)
+            else:
+                k_pipeline.consumer_wait(k_read_state)
+                k_read_state = k_read_state.clone()
+                k_read_state.advance()
+                k_release_state = self._release_page(k_pipeline, k_release_state)
+        return k_read_state, k_release_state
 
     def _local_page(self, position_begin, tile_row):
         """L of a tile row: its token's local page, so pages [0, L) are its history (trace-time helper)."""
