@@ -9,7 +9,9 @@ consumers run ``wgmma.m64n128k32`` e4m3 x e4m3 -> f32 four times per page (K = 1
 row to its page maximum (registers, then two quad shuffles) and write one fp32 per (row, page) for pages before
 the row's local page only; with 4 consumer warpgroups the maxima of 16 pages are staged in shared memory and
 leave as one TMA store per whole block (masked row segments for the blocks on a tile's diagonal or a task's end).
-No atomics; the output is deterministic.
+No atomics; the output is deterministic. A plan whose q tiles hold at most 64 rows (decode and verify steps, short
+chunks) takes the ``page_parallel`` variant instead: 64-row tiles whose pages the four consumer warpgroups share out,
+each storing its rows' maxima directly.
 
 Whatever the metadata holds, nothing is read or written outside the buffers: a task's rows are clamped to the score
 buffer's rows, its pages to the score buffer's columns and the block table's, and a physical page id outside the K
