@@ -486,8 +486,8 @@ class PageScoreKernelSm90:
                         sMaxima, mScores, tma_atom_scores, mScores_tma, consumer_warpgroup, staging_buffer,
                         page_begin, page_count)
                 else:
-                    # every row of this warpgroup's block lies past the task's rows (a request's last tile; a
-                    # decode step's tile holds H rows): no wgmma, no reduction, no store
+                    # every row of this warpgroup's block lies past the task's rows (a request's last tile):
+                    # no wgmma, no reduction, no store
                     for _ in cutlass.range(page_count, unroll=1):
                         k_read_state = self._pass_page(k_pipeline, k_read_state, consumer_warpgroup)
                         k_release_state = self._release_page(k_pipeline, k_release_state)
