@@ -155,10 +155,11 @@ class PageScoreKernelSm90:
         then). The page maxima are the float maxima (of two zeros the positive one).
 
         ``page_parallel`` (FP8): 64-row tiles, for plans whose tiles hold at most 64 rows (decode and verify steps,
-        short chunks). In a 256-row tile such a task keeps one consumer warpgroup busy and three idle, and that one
-        warpgroup's wgmma-reduce chain per page, not the K traffic, sets the time; here the four consumer warpgroups
-        share out the task's pages (warpgroup ``w`` takes every fourth page from the ``w``-th), all on the tile's 64
-        rows, and each stores its rows' page maxima directly (a tile's few rows fill no staging block).
+        short chunks). In a 256-row tile such a task keeps one consumer warpgroup busy and three idle, the pages
+        waiting on that warpgroup's wgmma and reduction one after another; here the four consumer warpgroups share out
+        the task's pages (warpgroup ``w`` takes every fourth page from the ``w``-th), all on the tile's 64 rows, and
+        each stores its rows' page maxima directly (a tile's few rows fill no staging block). Measured 5-9 % faster
+        on decode steps over 128K tokens (docs/PERFORMANCE.md), where the K traffic bounds both.
 
         ``num_ctas``: the persistent grid, one CTA per SM.
         """
