@@ -255,3 +255,15 @@ def test_plans_whose_tiles_hold_at_most_64_rows_take_the_page_parallel_score_ker
     shape = plan_shape(num_requests=4, total_q=4, num_heads=num_heads, page_size=128, max_seqlen_q=1,
                        max_seqlen_k=131072, tile_rows=cute_backend.score_tile_rows(False, True), num_sms=132)
     assert shape.tile_tokens == 64 // num_heads
+
+
+def test_the_score_kernels_variants_refuse_contradicting_options_by_name():
+    """The page-parallel variant is FP8 with direct stores; its 64-row tiles and 12 K stages fit the shared memory."""
+    score_sm90 = pytest.importorskip("indexer.kernels.score_sm90", reason="needs nvidia-cutlass-dsl")
+    for options in (dict(exact=True), dict(tma_stores=True)):
+        with pytest.raises(ValueError, match="page_parallel"):
+            score_sm90.PageScoreKernelSm90(4, page_parallel=True, **options)
+    kernel = score_sm90.PageScoreKernelSm90(4, page_parallel=True)
+    assert (kernel.tile_rows, kernel.k_stages, kernel.num_consumer_warpgroups) == (64, 12, 4)
+    assert not kernel.issue_ring and not kernel.staged_stores
+    assert kernel._shared_memory_bytes_needed() <= kernel.shared_memory_bytes
