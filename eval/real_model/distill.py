@@ -5,8 +5,8 @@ The indexer starts from each layer's own attention (``initialise_indexer_from_at
 next window of the training split (a fixed permutation from the seed), runs the dense forward without gradients and
 steps AdamW on the index projections and norms of every sparse layer. The state (indexer, optimizer, step) is saved
 every ``checkpoint_every`` steps, at a time limit and on Ctrl-C, through a temporary file; a later run with the same
-settings continues from it. The held-out KL is measured before the first
-step and after the last. ``export`` writes only the indexer's tensors (a few MB) with a JSON record of the run.
+settings continues from it. The held-out KL is measured before the first step and after the last. ``export`` writes
+only the indexer's tensors (a few MB) with a JSON record of the run.
 """
 
 from __future__ import annotations
