@@ -618,9 +618,10 @@ class _KernelRunner(_Runner):
         super().__init__(settings, parts, metadata, scores, choice, validate)
         shape = parts.plan.shape
         self.exact = exact
+        # plan() chose the variant with the tile size: the kernel's tiles are the plan's
         self.score_key = cute_backend.score_kernel_key(
             settings.num_heads, exact, scores, shape.num_sms,
-            page_parallel=cute_backend.score_page_parallel(exact, settings.num_heads, shape.max_seqlen_q))
+            page_parallel=shape.tile_rows == cute_backend.PAGE_PARALLEL_TILE_ROWS)
         self.topk_key = cute_backend.topk_kernel_key(scores.shape[0], scores.shape[1])
         self.keys = (self.score_key, self.topk_key)
         self.torch_runners: dict = {}
