@@ -5,9 +5,9 @@ The kernel reads K/V straight from the positional cache ``[batch, capacity, kv_h
 sequence ``b`` is cache rows ``(b * capacity + 128 p) ...``), so nothing is gathered or copied per layer.
 
 Forwards of at most ``DECODE_MAX_QUERY_LENGTH`` new tokens per sequence (decode and verify steps) take the kernel's
-split-KV variant: it reads the selection as it is (no union is built, so no sort), splits each tile's pages over
-CTAs and ``split_kv.merge_split_outputs`` combines the splits. Its cost follows the selected pages at any batch:
-a tile's 8 tokens then come from 8 sequences, whose union is 8 x 16 pages that one CTA would walk alone.
+split-KV variant: it reads the selection as it is (no union is built, so no sort), splits each token's pages over
+CTAs, and the last CTA of a token's splits merges them (no merge launch). Its cost follows the selected pages at any
+batch: a tile's 8 tokens then come from 8 sequences, whose union is 8 x 16 pages that one CTA would walk alone.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ import torch
 
 from indexer.cute_runtime import compile_once, compile_tvm_ffi, dsl_available, sm_count
 
-from .split_kv import merge_split_outputs
-
 __all__ = ["cute_sparse_attention_supported", "page_unions", "own_cache_slots", "sparse_attention_cute",
-           "sparse_decode_attention_cute", "sparse_union_attention_cute", "decode_splits", "DECODE_MAX_QUERY_LENGTH"]
+           "sparse_decode_attention_cute", "sparse_union_attention_cute", "decode_splits", "decode_arrival_counters",
+           "DECODE_MAX_QUERY_LENGTH", "DECODE_MAX_SPLITS"]
 
 _PAGE_SIZE = 128
 _HEAD_DIM = 128
@@ -28,6 +27,10 @@ _HEADS_PER_GROUP = 16
 _UNION_PAGE_LIMIT = 1 << 24
 DECODE_MAX_QUERY_LENGTH = 16
 """Forwards with at most this many new tokens per sequence take the split-KV decode kernel."""
+DECODE_MAX_SPLITS = 16
+"""Splits per token and KV group the decode kernel merges at most (``SparseAttentionSm90.max_splits``)."""
+
+_arrival_counters = {}
 
 
 def cute_sparse_attention_supported(q: torch.Tensor, keys: torch.Tensor, page_size: int) -> bool:
@@ -129,19 +132,19 @@ def sparse_union_attention_cute(q, keys, values, selection, metadata, *, scale: 
         kernel = compile_once(("sparse_attention_sm90", q.shape[1], num_kv_heads),
                               lambda: _compile_union(q.shape[1], num_kv_heads))
     kernel(q.contiguous(), keys.view(batch * capacity, num_kv_heads, head_dim),
-           values.view(batch * capacity, num_kv_heads, head_dim), target, None, union, count, own_slots, scale)
+           values.view(batch * capacity, num_kv_heads, head_dim), target, None, None, union, count, own_slots, None,
+           scale)
     if out is None or out is target:
         return target
     return out.copy_(target)
 
 
 def decode_splits(num_tokens: int, num_kv_heads: int, topk: int, num_sms: int) -> int:
-    """Splits per (tile, KV group) of the decode kernel: enough CTAs for every SM, at least one page each."""
-    tiles = -(-num_tokens // (_TILE_ROWS // _HEADS_PER_GROUP))
-    width = min(num_tokens, _TILE_ROWS // _HEADS_PER_GROUP) * topk
-    splits = max(1, min(width, -(-num_sms // (tiles * num_kv_heads))))
-    chunk = -(-width // splits)
-    return -(-width // chunk)
+    """Splits of each token's ``topk`` pages (per KV group) in the decode kernel: CTAs for the SMs' one wave (a CTA
+    of every (token, group, split)), at least one page each, no split empty."""
+    splits = max(1, min(topk, DECODE_MAX_SPLITS, num_sms // (num_tokens * num_kv_heads)))
+    chunk = -(-topk // splits)
+    return -(-topk // chunk)
 
 
 def sparse_decode_attention_cute(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, selection: torch.Tensor,
@@ -159,16 +162,30 @@ def sparse_decode_attention_cute(q: torch.Tensor, keys: torch.Tensor, values: to
                          f"{own_slots.dtype} on {own_slots.device}")
     selection = selection.to(torch.int32).contiguous()
     splits = decode_splits(num_tokens, num_kv_heads, selection.shape[2], sm_count(q.device))
+    target = (out if out is not None and out.is_contiguous() and out.dtype == q.dtype
+              else torch.empty(q.shape, dtype=q.dtype, device=q.device))
     partial = torch.empty(num_tokens, splits, num_heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(num_tokens, splits, num_heads, dtype=torch.float32, device=q.device)
     with torch.cuda.device(q.device):
         kernel = compile_once(("sparse_decode_attention_sm90", num_heads, num_kv_heads, selection.shape[2]),
                               lambda: _compile_decode(num_heads, num_kv_heads, selection.shape[2]))
-    kernel(q.contiguous(), keys, values, partial, lse, selection, None, own_slots, scale)
-    merged = merge_split_outputs(partial, lse, q.dtype)
-    if out is None:
-        return merged
-    return out.copy_(merged)
+        arrivals = decode_arrival_counters(q.device, num_tokens * num_kv_heads).view(num_tokens, num_kv_heads)
+    kernel(q.contiguous(), keys, values, target, partial, lse, selection, None, own_slots, arrivals, scale)
+    if out is None or out is target:
+        return target
+    return out.copy_(target)
+
+
+def decode_arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """``count`` int32 arrival counters for the decode kernel on ``device``'s current stream: zero, and zero again
+    after every launch (its last split CTA of a (token, group) resets the group's counter). One buffer per stream,
+    kept for the process (a CUDA graph keeps the buffer it captured), so launches on one stream reuse it in turn;
+    graphs captured on one stream and replayed concurrently on different streams would share it."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    counters = _arrival_counters.get(key)
+    if counters is None or counters.numel() < count:
+        counters = _arrival_counters[key] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+    return counters[:count]
 
 
 def _compile_decode(num_heads: int, num_kv_heads: int, topk: int):

@@ -1,6 +1,7 @@
 """The merge of split-KV attention: each split of a query row's keys gives a row normalised over the split and its
 log-sum-exp; the row over all keys is their average weighted by ``exp(lse)``. Used by the dense decode path
-(``decode_attention.flash_decode``) and the sparse decode kernel (``sparse_attention_cute``)."""
+(``decode_attention.flash_decode``) and the chunked prefill over a long prefix; the sparse decode kernel merges its
+splits itself, by the same rule."""
 
 from __future__ import annotations
 

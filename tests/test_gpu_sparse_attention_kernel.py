@@ -119,6 +119,33 @@ def test_decode_kernel_matches_the_reference_on_random_selections(query_lengths,
     assert error <= 2e-2, f"max |cute decode - reference| = {error}"
 
 
+def test_decode_kernel_merges_in_the_last_split_and_leaves_its_counters_at_zero():
+    """The last split CTA of each (token, group) merges the splits: over calls with 1 to 16 tokens (16 to 1 splits
+    per token) every output equals the reference, a token whose pages are all skipped gets zeros, and the arrival
+    counters are zero after each call (a counter left behind would skip the next call's merge)."""
+    from minimax_m3.sparse_attention_cute import decode_arrival_counters, decode_splits
+
+    generator = torch.Generator().manual_seed(6)
+    for tokens in (1, 3, 4, 16, 1, 4):
+        q, keys, values, metadata = _batch([1] * tokens, [8192 - 37 * t for t in range(tokens)], generator,
+                                           capacity=8192)
+        selection = _contract_selection(metadata.positions.cpu(), KV_HEADS, generator).cuda()
+        if tokens > 1:
+            selection[1] = -1  # the second token reads nothing
+        storage, out = _guarded(q)
+        sparse_attention_cute(q, keys, values, selection, metadata, scale=DIM ** -0.5, page_size=PAGE, out=out)
+        expected = sparse_attention_reference(q, keys, values, selection, metadata, scale=DIM ** -0.5, page_size=PAGE)
+        assert torch.isfinite(out.float()).all(), f"{tokens} tokens: rows left unmerged"
+        assert torch.isnan(storage[:4096].float()).all() and torch.isnan(storage[-4096:].float()).all()
+        read = torch.arange(tokens, device=q.device) != 1  # the reference's softmax over no key is NaN
+        error = (out[read].float() - expected[read].float()).abs().max().item()
+        assert error <= 2e-2, f"{tokens} tokens ({decode_splits(tokens, KV_HEADS, TOPK, 132)} splits): error {error}"
+        if tokens > 1:
+            assert torch.equal(out[1], torch.zeros_like(out[1]))
+        counters = decode_arrival_counters(q.device, tokens * KV_HEADS)
+        assert torch.equal(counters, torch.zeros_like(counters))
+
+
 def test_decode_kernel_skips_page_ids_beyond_the_sequence():
     """Selection entries past the cache's pages of a sequence (or -1) read nothing: the result equals the
     selection without them, and no other sequence's page is read."""

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from minimax_m3.sparse_attention_cute import decode_splits
+from minimax_m3.sparse_attention_cute import DECODE_MAX_SPLITS, decode_splits
 from minimax_m3.split_kv import merge_split_outputs
 
 
@@ -48,16 +48,17 @@ def test_merge_ignores_invalid_splits_and_zeroes_rows_without_keys():
     assert torch.equal(empty, torch.zeros_like(empty))
 
 
-def test_decode_splits_fill_the_sms_with_at_least_one_page_each():
-    assert decode_splits(1, 4, 16, 132) == 16  # 4 CTAs per split: one page each
-    assert decode_splits(16, 4, 16, 132) == 16  # 2 tiles x 4 groups x 16 splits of 8 pages
-    assert decode_splits(64, 4, 16, 132) == 5
+def test_decode_splits_fill_one_wave_of_the_sms_with_at_least_one_page_each():
+    assert decode_splits(1, 4, 16, 132) == 16  # 4 groups x 16 splits of one page
+    assert decode_splits(4, 4, 16, 132) == 8  # 4 tokens x 4 groups x 8 splits of 2 pages: 128 CTAs
+    assert decode_splits(16, 4, 16, 132) == 2  # 16 x 4 x 2 splits of 8 pages
+    assert decode_splits(64, 4, 16, 132) == 1
     assert decode_splits(4096, 4, 16, 132) == 1
-    for tokens in (1, 3, 8, 9, 100):
+    for tokens in (1, 2, 3, 5, 8, 9, 100):
         splits = decode_splits(tokens, 4, 16, 132)
-        width = min(tokens, 8) * 16
-        chunk = -(-width // splits)
-        assert (splits - 1) * chunk < width  # no split is empty
+        chunk = -(-16 // splits)
+        assert (splits - 1) * chunk < 16  # no split is empty
+        assert splits == 1 or tokens * 4 * splits <= 132  # one wave
 
 
 def test_the_decode_path_names_a_bad_selection_or_own_slots_before_any_launch():
@@ -90,3 +91,11 @@ def test_merging_splits_one_at_a_time_equals_one_softmax_over_every_key():
     assert output.dtype == torch.float32
     torch.testing.assert_close(output.double(), expected, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(running.double(), torch.logsumexp(logits, -1), atol=1e-6, rtol=1e-6)
+
+
+def test_decode_splits_stay_within_what_the_kernel_merges():
+    kernel = pytest.importorskip("minimax_m3.kernels.sparse_attention_sm90", reason="needs nvidia-cutlass-dsl")
+    assert kernel.SparseAttentionSm90.max_splits == DECODE_MAX_SPLITS
+    assert kernel.SparseAttentionSm90.max_splits % kernel.SparseAttentionSm90.merge_batch == 0
+    for topk in (1, 4, 16, 32, 64):
+        assert decode_splits(1, 1, topk, 1000) <= DECODE_MAX_SPLITS

@@ -16,9 +16,12 @@ normalises and stores bf16 rows of real tokens; rows of tokens past the end are 
 
 ``decode=True`` is the split-KV variant for decode and verify steps (a few new tokens per sequence): a CTA reads
 its entries straight from the indexer's selection ``[T, G, topk]`` (entry ``i`` of a tile is page ``i % topk`` of
-its token ``i // topk``, so no union is built), a third grid dimension splits each tile's entries into chunks, and
-the CTA writes fp32 rows normalised over its chunk with their log-sum-exp, which ``split_kv.merge_split_outputs``
-combines. A tile's tokens then come from different sequences; each entry is one token's page.
+its token ``i // topk``, so no union is built). The third grid dimension names one token of the tile and one of
+its ``splits`` chunks of pages; the CTA writes that token's 16 rows, normalised over the chunk, as fp32 with their
+log-sum-exp. The last of a (token, KV group)'s split CTAs to finish, counted by an atomic on a per-(token, group)
+arrival counter, merges the splits' rows by their log-sum-exps into the bf16 output (``split_kv``'s merge, in the
+kernel: no merge launch) and sets the counter back to zero. A tile's tokens then come from different sequences; a
+split holds one token's pages only.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from indexer.cute_runtime import make_tma_pipeline
 
@@ -53,6 +58,54 @@ class WarpRole(enum.IntEnum):
     FIRST_CONSUMER = 1
 
 
+class NamedBarrier(enum.IntEnum):
+    """Named barrier ids (0 is the CTA-wide barrier)."""
+
+    CONSUMERS = 1  # the consumer warpgroups, around a decode split's arrival
+
+
+@dsl_user_op
+def fence_gpu(*, loc=None, ip=None):
+    """``fence.acq_rel.gpu``: this thread's global writes before it are seen by the GPU before its writes after it
+    (``__threadfence``)."""
+    llvm.inline_asm(None, [], "fence.acq_rel.gpu;", "", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def arrive_gpu(address, *, loc=None, ip=None):
+    """Add one to the int32 at global ``address`` (acquire-release at GPU scope); the value before."""
+    return cutlass.Int32(llvm.inline_asm(
+        T.i32(), [cutlass.Int64(address).ir_value(loc=loc, ip=ip)], "atom.acq_rel.gpu.global.add.s32 $0, [$1], 1;",
+        "=r,l", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def load_gpu(address, *, loc=None, ip=None):
+    """The fp32 at global ``address``, loaded relaxed at GPU scope (from L2: never a stale L1 line)."""
+    return cutlass.Float32(llvm.inline_asm(
+        T.f32(), [cutlass.Int64(address).ir_value(loc=loc, ip=ip)], "ld.relaxed.gpu.global.f32 $0, [$1];", "=f,l",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def load_gpu_x4(address, *, loc=None, ip=None):
+    """The four fp32 at the 16-byte aligned global ``address``, as ``load_gpu`` loads one."""
+    vector = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4), [cutlass.Int64(address).ir_value(loc=loc, ip=ip)],
+        "ld.relaxed.gpu.global.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l", has_side_effects=True,
+        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [cutlass.Float32(llvm.extractvalue(T.f32(), vector, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def reset_gpu(address, *, loc=None, ip=None):
+    """Store zero to the int32 at global ``address`` (relaxed, GPU scope)."""
+    llvm.inline_asm(None, [cutlass.Int64(address).ir_value(loc=loc, ip=ip)], "st.relaxed.gpu.global.s32 [$0], 0;",
+                    "l", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                    loc=loc, ip=ip)
+
+
 class SparseAttentionSm90:
     """Static configuration; ``__call__`` is the traced host launcher, ``kernel`` the device code."""
 
@@ -62,6 +115,10 @@ class SparseAttentionSm90:
     threads_per_warpgroup = 128
     consumer_warpgroups = 2
     heads_per_warp = 16
+    # decode: at most this many splits per (token, group) (``sparse_attention_cute.DECODE_MAX_SPLITS``), merged by
+    # the last split CTA four at a time
+    max_splits = 16
+    merge_batch = 4
 
     def __init__(self, heads_per_group: int, *, decode: bool = False):
         if heads_per_group != self.heads_per_warp:
@@ -95,11 +152,13 @@ class SparseAttentionSm90:
         mQ: cute.Tensor,  # (T, num_heads, 128) bf16, contiguous
         mK: cute.Tensor,  # the cache: (slots, num_kv_heads, 128) bf16; decode: (batch, capacity, num_kv_heads, 128)
         mV: cute.Tensor,  # like mK
-        mO: cute.Tensor,  # like mQ; decode: (T, splits, num_heads, 128) fp32 rows normalised over their split
-        mLSE: cute.Tensor,  # decode: (T, splits, num_heads) fp32 natural log-sum-exp of each split row; else unused
+        mO: cute.Tensor,  # like mQ
+        mSplitO,  # decode: (T, splits, num_heads, 128) fp32 rows normalised over their token's split; else None
+        mLSE,  # decode: (T, splits, num_heads) fp32 natural log-sum-exp of each split row; else None
         mEntries: cute.Tensor,  # (tiles, num_kv_heads, width) int32 union entries; decode: (T, num_kv_heads, topk)
-        mEntryCount: cute.Tensor,  # (tiles, num_kv_heads) int32 union entries in use; decode: unused
+        mEntryCount,  # (tiles, num_kv_heads) int32 union entries in use; decode: None
         mOwnSlot: cute.Tensor,  # (T,) int32: the token's own cache slot (physical page * 128 + position % 128)
+        mArrivals,  # decode: (T, num_kv_heads) int32 arrival counters, zero before the launch and after it; else None
         softmax_scale: cutlass.Float32,
         stream,
     ):
@@ -112,7 +171,8 @@ class SparseAttentionSm90:
         if cutlass.const_expr(self.decode):
             slots = mK.shape[0] * mK.shape[1]
             capacity = mK.shape[1]
-            splits = mO.shape[1]
+            # one token of the tile and one of its splits per CTA
+            splits = cutlass.min(num_tokens, self.tokens_per_tile) * mSplitO.shape[1]
         # Rows (token, head of the group) of KV group g: a hierarchical mode ((heads, tokens), dim, group).
         q_layout = cute.make_layout(
             ((self.heads_per_group, num_tokens), self.head_dim, num_kv_heads),
@@ -153,14 +213,15 @@ class SparseAttentionSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            last_arrival: cute.struct.MemRange[cutlass.Int32, 1]
 
         self.shared_storage = SharedStorage
         num_tiles = mEntries.shape[0]
         if cutlass.const_expr(self.decode):
             num_tiles = (num_tokens + self.tokens_per_tile - 1) // self.tokens_per_tile
         self.kernel(
-            tma_atom_q, mQ_tma, tma_atom_k, mK_tma, tma_atom_v, mV_tma, mO, mLSE, mEntries, mEntryCount, mOwnSlot,
-            capacity, softmax_scale * _LOG2_E, tiled_mma_qk, tiled_mma_pv, sQ_layout, sKV_layout,
+            tma_atom_q, mQ_tma, tma_atom_k, mK_tma, tma_atom_v, mV_tma, mO, mSplitO, mLSE, mEntries, mEntryCount,
+            mOwnSlot, mArrivals, capacity, softmax_scale * _LOG2_E, tiled_mma_qk, tiled_mma_pv, sQ_layout, sKV_layout,
         ).launch(
             grid=(num_tiles, num_kv_heads, splits),
             block=(self.threads_per_cta, 1, 1),
@@ -178,10 +239,12 @@ class SparseAttentionSm90:
         tma_atom_v: cute.CopyAtom,
         mV: cute.Tensor,
         mO: cute.Tensor,
-        mLSE: cute.Tensor,
+        mSplitO,
+        mLSE,
         mEntries: cute.Tensor,
-        mEntryCount: cute.Tensor,
+        mEntryCount,
         mOwnSlot: cute.Tensor,
+        mArrivals,
         capacity: cutlass.Int32,
         scale_log2: cutlass.Float32,
         tiled_mma_qk: cute.TiledMma,
@@ -206,9 +269,10 @@ class SparseAttentionSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sLastArrival = storage.last_arrival.get_tensor(cute.make_layout(1))
         pipeline.pipeline_init_wait()
 
-        entry_begin, entry_end = self._entry_range(mEntries, mEntryCount, mO, tile, group, split)
+        entry_begin, entry_end = self._entry_range(mEntries, mEntryCount, mSplitO, tile, group, split)
         if warpgroup_idx == WarpRole.PRODUCER:
             cute.arch.warpgroup_reg_dealloc(self.producer_registers)
             if warp_idx == 0:
@@ -216,23 +280,26 @@ class SparseAttentionSm90:
                           q_pipeline, kv_pipeline, tile, group, entry_begin, entry_end)
         else:
             cute.arch.warpgroup_reg_alloc(self.consumer_registers)
-            self.attend(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, mO, mLSE, mEntries, mOwnSlot, capacity, scale_log2,
-                        q_pipeline, kv_pipeline, tidx - self.threads_per_warpgroup, tile, group, split,
-                        entry_begin, entry_end)
+            self.attend(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, mO, mSplitO, mLSE, mEntries, mOwnSlot, mArrivals,
+                        sLastArrival, capacity, scale_log2, q_pipeline,
+                        kv_pipeline, tidx - self.threads_per_warpgroup, tile, group, split, entry_begin, entry_end)
 
     @cute.jit
-    def _entry_range(self, mEntries, mEntryCount, mO, tile, group, split):
-        """The entries ``[begin, end)`` this CTA walks: the tile's whole union, or (decode) its split's chunk of the
-        tile's ``tokens x topk`` selection entries."""
+    def _entry_range(self, mEntries, mEntryCount, mSplitO, tile, group, split):
+        """The entries ``[begin, end)`` this CTA walks: the tile's whole union, or (decode) the chunk of one token's
+        ``topk`` selection entries that grid index ``split`` names (``split = local token * splits + chunk``; empty
+        for a local token past the tile's tokens)."""
         begin = cutlass.Int32(0)
         end = cutlass.Int32(0)
         if cutlass.const_expr(self.decode):
             tokens = cutlass.min(mEntries.shape[0] - tile * self.tokens_per_tile, self.tokens_per_tile)
-            width = tokens * mEntries.shape[2]
-            splits = mO.shape[1]
-            chunk = (width + splits - 1) // splits
-            begin = cutlass.min(split * chunk, width)
-            end = cutlass.min(begin + chunk, width)
+            topk = mEntries.shape[2]
+            splits = mSplitO.shape[1]
+            local_token = split // splits
+            chunk = (topk + splits - 1) // splits
+            if local_token < tokens:
+                begin = local_token * topk + cutlass.min((split - local_token * splits) * chunk, topk)
+                end = cutlass.min(begin + chunk, (local_token + 1) * topk)
         else:
             end = mEntryCount[tile, group]
         return begin, end
@@ -306,8 +373,9 @@ class SparseAttentionSm90:
         kv_pipeline.producer_tail(kv_state)
 
     @cute.jit
-    def attend(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, mO, mLSE, mEntries, mOwnSlot, capacity, scale_log2,
-               q_pipeline, kv_pipeline, consumer_tidx, tile, group, split, entry_begin, entry_end):
+    def attend(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, mO, mSplitO, mLSE, mEntries, mOwnSlot, mArrivals,
+               sLastArrival, capacity, scale_log2, q_pipeline, kv_pipeline, consumer_tidx, tile, group, split,
+               entry_begin, entry_end):
         thr_mma_qk = tiled_mma_qk.get_slice(consumer_tidx)
         thr_mma_pv = tiled_mma_pv.get_slice(consumer_tidx)
         tSrQ = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))
@@ -375,8 +443,12 @@ class SparseAttentionSm90:
                 kv_state.advance()
         q_pipeline.consumer_release(q_state)
         if cutlass.const_expr(self.decode):
-            self._store_split(acc_O, (sum_first, sum_second), (max_first, max_second), tOcO, mO, mLSE, token_begin,
-                              group, split, num_tokens, lane_column)
+            self._store_split(acc_O, (sum_first, sum_second), (max_first, max_second), tOcO, mSplitO, mLSE,
+                              token_begin, group, split, num_tokens, lane_column)
+            local_token = split // mSplitO.shape[1]
+            if token_begin + local_token < num_tokens:  # the same for the whole CTA
+                self._merge_if_last(mO, mSplitO, mLSE, mArrivals, sLastArrival, token_begin + local_token, group,
+                                    consumer_tidx)
         else:
             self._store(acc_O, (sum_first, sum_second), tOcO, mO, token_begin, group, num_tokens, lane_column)
 
@@ -440,10 +512,13 @@ class SparseAttentionSm90:
                         mO[token, head, 8 * column_group + lane_column + pair] = (acc_O[v] * inverse).to(self.dtype)
 
     @cute.jit
-    def _store_split(self, acc_O, row_sum, row_max, tOcO, mO, mLSE, token_begin, group, split, num_tokens,
+    def _store_split(self, acc_O, row_sum, row_max, tOcO, mSplitO, mLSE, token_begin, group, split, num_tokens,
                      lane_column):
-        """Decode: write this thread's two rows normalised over the split (fp32) and their natural log-sum-exp
-        (``-inf`` and zeros for a row that saw no key in this split)."""
+        """Decode: write the split's token's rows among this thread's two, normalised over the split (fp32), and
+        their natural log-sum-exp (``-inf`` and zeros for a row that saw no key: its pages were all skipped)."""
+        splits = mSplitO.shape[1]
+        local_token = split // splits
+        token_split = split - local_token * splits
         for half in cutlass.range_constexpr(2):
             total, token, head = self._row(row_sum, tOcO, half, token_begin, group)
             inverse = cutlass.Float32(0.0)
@@ -451,13 +526,80 @@ class SparseAttentionSm90:
             if total > 0.0:
                 inverse = 1.0 / total
                 log_sum_exp = (row_max[half] + cute.math.log2(total, fastmath=True)) * _LN_2
-            if token < num_tokens:
+            if (token == token_begin + local_token) & (token < num_tokens):
                 for column_group in cutlass.range_constexpr(cute.size(acc_O) // 4):
                     for pair in cutlass.range_constexpr(2):
                         v = pair + 2 * half + 4 * column_group
-                        mO[token, split, head, 8 * column_group + lane_column + pair] = acc_O[v] * inverse
+                        mSplitO[token, token_split, head, 8 * column_group + lane_column + pair] = acc_O[v] * inverse
                 if lane_column == 0:
-                    mLSE[token, split, head] = log_sum_exp
+                    mLSE[token, token_split, head] = log_sum_exp
+
+    @cute.jit
+    def _merge_if_last(self, mO, mSplitO, mLSE, mArrivals, sLastArrival, token, group, consumer_tidx):
+        """Count this split CTA's arrival at (token, group); the last to arrive merges every split's rows of the
+        group's heads into ``mO`` (bf16) and resets the counter. Rows are weighted by ``exp(lse - max lse)`` and
+        divided by the weights' sum; a row that no split saw (every lse ``-inf``) is zero."""
+        consumer_threads = self.consumer_warpgroups * self.threads_per_warpgroup
+        splits = mSplitO.shape[1]
+        fence_gpu()  # this thread's split rows before the arrival
+        cute.arch.barrier(barrier_id=int(NamedBarrier.CONSUMERS), number_of_threads=consumer_threads)
+        counter = self._address(mArrivals, (token, group))
+        if consumer_tidx == 0:
+            arrived = arrive_gpu(counter)
+            sLastArrival[0] = cutlass.Int32(arrived == splits - 1)
+        cute.arch.barrier(barrier_id=int(NamedBarrier.CONSUMERS), number_of_threads=consumer_threads)
+        if sLastArrival[0] != 0:
+            if consumer_tidx == 0:
+                reset_gpu(counter)
+            fence_gpu()  # the other splits' rows after their arrivals
+            # 16 threads per head, 8 consecutive dims each
+            threads_per_row = consumer_threads // self.heads_per_group
+            dims = self.head_dim // threads_per_row
+            head = group * self.heads_per_group + consumer_tidx // threads_per_row
+            dim_begin = (consumer_tidx % threads_per_row) * dims
+            # relaxed GPU-scope loads: served by L2, where the other SMs' rows are, never by a stale L1 line; the
+            # splits' log-sum-exps, then their rows a few splits at a time, each batch of loads in flight together
+            lse = cute.make_rmem_tensor((self.max_splits,), cutlass.Float32)
+            for s in cutlass.range_constexpr(self.max_splits):
+                lse[s] = -cutlass.Float32.inf
+                if s < splits:
+                    lse[s] = load_gpu(self._address(mLSE, (token, s, head)))
+            top = -cutlass.Float32.inf
+            for s in cutlass.range_constexpr(self.max_splits):
+                top = cute.arch.fmax(top, lse[s])
+            if top == -cutlass.Float32.inf:
+                top = cutlass.Float32(0.0)  # no split saw a key: every weight 0, the row 0
+            merged = cute.make_rmem_tensor((dims,), cutlass.Float32)
+            merged.fill(0.0)
+            total = cutlass.Float32(0.0)
+            rows = cute.make_rmem_tensor((self.merge_batch, dims), cutlass.Float32)
+            for first in cutlass.range_constexpr(0, self.max_splits, self.merge_batch):
+                if first < splits:
+                    for b in cutlass.range_constexpr(self.merge_batch):
+                        if first + b < splits:
+                            row = self._address(mSplitO, (token, first + b, head, dim_begin))
+                            for v in cutlass.range_constexpr(dims // 4):
+                                values = load_gpu_x4(row + 16 * v)
+                                for i in cutlass.range_constexpr(4):
+                                    rows[b, 4 * v + i] = values[i]
+                    for b in cutlass.range_constexpr(self.merge_batch):
+                        if first + b < splits:
+                            weight = cute.math.exp2((lse[first + b] - top) * _LOG2_E, fastmath=True)
+                            total = total + weight
+                            for d in cutlass.range_constexpr(dims):
+                                merged[d] = merged[d] + rows[b, d] * weight
+            inverse = cutlass.Float32(1.0)
+            if total > 0.0:
+                inverse = 1.0 / total
+            result = cute.make_rmem_tensor((dims,), self.dtype)
+            for d in cutlass.range_constexpr(dims):
+                result[d] = (merged[d] * inverse).to(self.dtype)
+            cute.autovec_copy(result, cute.local_tile(mO[token, head, None], (dims,), (dim_begin // dims,)))
+
+    @staticmethod
+    def _address(tensor: cute.Tensor, coordinate):
+        """The global address (int64) of ``tensor``'s element at ``coordinate``."""
+        return (tensor.iterator + cute.crd2idx(coordinate, tensor.layout)).toint()
 
     @cute.jit
     def _row(self, row_sum, tOcO, half: cutlass.Constexpr, token_begin, group):
