@@ -96,6 +96,5 @@ def test_merging_splits_one_at_a_time_equals_one_softmax_over_every_key():
 def test_decode_splits_stay_within_what_the_kernel_merges():
     kernel = pytest.importorskip("minimax_m3.kernels.sparse_attention_sm90", reason="needs nvidia-cutlass-dsl")
     assert kernel.SparseAttentionSm90.max_splits == DECODE_MAX_SPLITS
-    assert kernel.SparseAttentionSm90.max_splits % kernel.SparseAttentionSm90.merge_batch == 0
     for topk in (1, 4, 16, 32, 64):
         assert decode_splits(1, 1, topk, 1000) <= DECODE_MAX_SPLITS

@@ -115,10 +115,9 @@ class SparseAttentionSm90:
     threads_per_warpgroup = 128
     consumer_warpgroups = 2
     heads_per_warp = 16
-    # decode: at most this many splits per (token, group) (``sparse_attention_cute.DECODE_MAX_SPLITS``), merged by
-    # the last split CTA four at a time
+    # decode: at most this many splits per (token, group) (``sparse_attention_cute.DECODE_MAX_SPLITS``), all merged
+    # at once by the last split CTA
     max_splits = 16
-    merge_batch = 4
 
     def __init__(self, heads_per_group: int, *, decode: bool = False):
         if heads_per_group != self.heads_per_warp:
@@ -557,13 +556,19 @@ class SparseAttentionSm90:
             dims = self.head_dim // threads_per_row
             head = group * self.heads_per_group + consumer_tidx // threads_per_row
             dim_begin = (consumer_tidx % threads_per_row) * dims
-            # relaxed GPU-scope loads: served by L2, where the other SMs' rows are, never by a stale L1 line; the
-            # splits' log-sum-exps, then their rows a few splits at a time, each batch of loads in flight together
+            # relaxed GPU-scope loads: served by L2, where the other SMs' rows are, never by a stale L1 line; every
+            # split's log-sum-exp and row issued before any is used, so the merge waits for one round trip
             lse = cute.make_rmem_tensor((self.max_splits,), cutlass.Float32)
+            rows = cute.make_rmem_tensor((self.max_splits, dims), cutlass.Float32)
             for s in cutlass.range_constexpr(self.max_splits):
                 lse[s] = -cutlass.Float32.inf
                 if s < splits:
                     lse[s] = load_gpu(self._address(mLSE, (token, s, head)))
+                    row = self._address(mSplitO, (token, s, head, dim_begin))
+                    for v in cutlass.range_constexpr(dims // 4):
+                        values = load_gpu_x4(row + 16 * v)
+                        for i in cutlass.range_constexpr(4):
+                            rows[s, 4 * v + i] = values[i]
             top = -cutlass.Float32.inf
             for s in cutlass.range_constexpr(self.max_splits):
                 top = cute.arch.fmax(top, lse[s])
@@ -572,22 +577,12 @@ class SparseAttentionSm90:
             merged = cute.make_rmem_tensor((dims,), cutlass.Float32)
             merged.fill(0.0)
             total = cutlass.Float32(0.0)
-            rows = cute.make_rmem_tensor((self.merge_batch, dims), cutlass.Float32)
-            for first in cutlass.range_constexpr(0, self.max_splits, self.merge_batch):
-                if first < splits:
-                    for b in cutlass.range_constexpr(self.merge_batch):
-                        if first + b < splits:
-                            row = self._address(mSplitO, (token, first + b, head, dim_begin))
-                            for v in cutlass.range_constexpr(dims // 4):
-                                values = load_gpu_x4(row + 16 * v)
-                                for i in cutlass.range_constexpr(4):
-                                    rows[b, 4 * v + i] = values[i]
-                    for b in cutlass.range_constexpr(self.merge_batch):
-                        if first + b < splits:
-                            weight = cute.math.exp2((lse[first + b] - top) * _LOG2_E, fastmath=True)
-                            total = total + weight
-                            for d in cutlass.range_constexpr(dims):
-                                merged[d] = merged[d] + rows[b, d] * weight
+            for s in cutlass.range_constexpr(self.max_splits):
+                if s < splits:
+                    weight = cute.math.exp2((lse[s] - top) * _LOG2_E, fastmath=True)
+                    total = total + weight
+                    for d in cutlass.range_constexpr(dims):
+                        merged[d] = merged[d] + rows[s, d] * weight
             inverse = cutlass.Float32(1.0)
             if total > 0.0:
                 inverse = 1.0 / total
