@@ -110,7 +110,7 @@ def test_the_gated_gemv_applies_the_activation_to_the_fp32_sums(activation, expe
 @pytest.mark.parametrize("experts, columns, depth, tokens, top_k", [
     (4, 6144, 256, 4, 2),  # the presets' down projection at batch 4
     (128, 6144, 3072, 4, 4),  # M3's, 16 pairs over 128 experts
-    (8, 1000, 136, 16, 4),  # 64 pairs (the most it takes), widths that fill no CTA's columns evenly
+    (64, 1000, 136, 16, 4),  # 64 pairs (the most it takes), widths that fill no CTA's columns evenly
 ])
 def test_the_token_sum_kernel_weights_and_sums_each_tokens_pairs(experts, columns, depth, tokens, top_k):
     """The down projection and the weighted token sum in one kernel against fp32 products summed in fp32; expert ids
