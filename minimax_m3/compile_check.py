@@ -12,19 +12,13 @@ import sys
 
 from indexer.compile_check import run_compile_check
 
-from .experts import GEMV_MAX_PAIRS
-
-GATED_ACTIVATION_CHECKED = ("swiglu_oai", 1.702, 7.0, 1.0)
-"""The release's SwiGLU-OAI constants (``MiniMaxM3Config``'s defaults)."""
-
 
 def variants():
     from .kernels.decode_routing_sm90 import DecodeRoutingSm90
-    from .kernels.grouped_gemv_sm90 import CONFIGURATIONS, ExpertTokenSumSm90, GroupedGemvSm90
+    from .kernels.grouped_gemv_sm90 import CONFIGURATIONS, GroupedGemvSm90
     from .kernels.qk_norm_rope_sm90 import QkNormRopeSm90
-    from .kernels.signatures import (decode_routing_arguments, expert_token_sum_arguments, grouped_gemv_arguments,
-                                     qk_norm_rope_arguments, sparse_attention_fake_arguments,
-                                     sparse_decode_attention_arguments)
+    from .kernels.signatures import (decode_routing_arguments, grouped_gemv_arguments, qk_norm_rope_arguments,
+                                     sparse_attention_fake_arguments, sparse_decode_attention_arguments)
     from .kernels.sparse_attention_sm90 import SparseAttentionSm90
 
     yield ("sparse_attention_sm90_g16", SparseAttentionSm90(16), sparse_attention_fake_arguments(), "bf16.bf16")
@@ -35,12 +29,6 @@ def variants():
         if name != "router":  # the experts' first projection reads the tokens through the pairs' row index
             yield (f"grouped_gemv_sm90_{name}_indexed", GroupedGemvSm90(**configuration),
                    grouped_gemv_arguments(name, indexed=True), None)
-            # the gate_up projection with the activation applied: the release's SwiGLU-OAI, the plain SiLU gate
-            for activation in (GATED_ACTIVATION_CHECKED, ("silu_and_mul",)):
-                yield (f"grouped_gemv_sm90_{name}_indexed_{activation[0]}",
-                       GroupedGemvSm90(**configuration, activation=activation),
-                       grouped_gemv_arguments(name, indexed=True, gated=True), None)
-    yield ("expert_token_sum_sm90", ExpertTokenSumSm90(max_pairs=GEMV_MAX_PAIRS), expert_token_sum_arguments(), None)
     # M3's routing: top-4 (of 128 experts; the presets' 4 take top-2)
     yield ("decode_routing_sm90_top4", DecodeRoutingSm90(4), decode_routing_arguments(4), None)
     yield ("decode_routing_sm90_top2", DecodeRoutingSm90(2), decode_routing_arguments(2), None)

@@ -8,10 +8,8 @@ expert parallelism): 12.5 ms of a 32K-token real-width layer pair on the H200. `
 other functions are transformers' own; ``eager`` is the experts module's loop. The pairs are put in expert order
 by a sort, or for decode-sized batches by counting, in one compiled kernel instead of a sort's ten. In decode
 steps on SM90 a projection that ``gemv_pays`` for is the grouped GEMV kernel instead of the grouped GEMM: a few rows
-per expert leave the GEMM's tiles mostly idle, the GEMV reads each active expert's weight once; the gate_up GEMV
-applies the MLP's activation to its sums, and the down projection's kernel (``ExpertTokenSumSm90``) weights and sums
-each token's pairs itself, so neither an activation pass nor the weighted sum follows. The same GEMV kernel computes
-the router's fp32 logits for a few tokens (``router_logits``).
+per expert leave the GEMM's tiles mostly idle, the GEMV reads each active expert's weight once. The same kernel
+computes the router's fp32 logits for a few tokens (``router_logits``).
 """
 
 from __future__ import annotations
@@ -23,11 +21,10 @@ from transformers.integrations.moe import ExpertsInterface, _grouped_mm
 
 from indexer.cute_runtime import compile_once, compile_tvm_ffi, dsl_available
 
-from .configuration_minimax_m3 import SILU_AND_MUL
 from .fusion import compiled, fuse
 
-__all__ = ["EXPERTS_FUNCTIONS", "GEMV_MAX_PAIRS", "ROUTER_GEMV_MAX_TOKENS", "gemv_activation", "gemv_pays",
-           "grouped_gemv", "grouped_gemv_serves", "grouped_mm_experts_forward", "router_logits",
+__all__ = ["EXPERTS_FUNCTIONS", "GEMV_MAX_PAIRS", "ROUTER_GEMV_MAX_TOKENS", "gemv_pays", "grouped_gemv",
+           "grouped_gemv_serves", "grouped_mm_experts_forward", "router_logits",
            "routing_plan_by_counting", "routing_plan_by_sorting", "weighted_token_sum"]
 
 
@@ -150,36 +147,25 @@ def grouped_gemv(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tenso
     return _launch_grouped_gemv(rows, weights, offsets, out, row_index)
 
 
-def _launch_grouped_gemv(rows, weights, offsets, out=None, row_index=None, activation=None):
-    """``grouped_gemv`` on operands already checked (``grouped_gemv_serves``, offsets from a routing plan); with an
-    ``activation`` (``gemv_activation``) the weights are ``[gate | up]`` rows and the output ``act(gate, up)``."""
+def _launch_grouped_gemv(rows, weights, offsets, out=None, row_index=None):
+    """``grouped_gemv`` on operands already checked (``grouped_gemv_serves``, offsets from a routing plan)."""
     pairs = rows.shape[0] if row_index is None else row_index.shape[0]
     if out is None:
-        columns = weights.shape[1] // 2 if activation is not None else weights.shape[1]
-        out = torch.empty(pairs, columns, dtype=rows.dtype, device=rows.device)
+        out = torch.empty(pairs, weights.shape[1], dtype=rows.dtype, device=rows.device)
     if pairs == 0:
         return out
     configuration = "experts_split_k" if rows.shape[1] >= GEMV_SPLIT_K_MIN_DEPTH else "experts"
-    _gemv_kernel(rows.device, configuration, row_index is not None, activation)(rows, weights, offsets, out, row_index)
+    _gemv_kernel(rows.device, configuration, row_index is not None)(rows, weights, offsets, out, row_index)
     return out
 
 
-def _gemv_kernel(device: torch.device, configuration: str, indexed: bool = False, activation: Optional[tuple] = None):
+def _gemv_kernel(device: torch.device, configuration: str, indexed: bool = False):
     from .kernels.grouped_gemv_sm90 import CONFIGURATIONS, GroupedGemvSm90
     from .kernels.signatures import grouped_gemv_arguments
 
     with torch.cuda.device(device):
-        return compile_once(("grouped_gemv_sm90", configuration, indexed, activation), lambda: compile_tvm_ffi(
-            GroupedGemvSm90(**CONFIGURATIONS[configuration], activation=activation),
-            grouped_gemv_arguments(configuration, indexed, gated=activation is not None)))
-
-
-def gemv_activation(config) -> tuple:
-    """The GEMV kernel's name for ``config``'s gated activation (``modeling_minimax_m3.gated_activation``, which
-    it computes on the fp32 sums): ``("silu_and_mul",)`` or ``("swiglu_oai", alpha, limit, beta)``."""
-    if config.hidden_act == SILU_AND_MUL:
-        return (SILU_AND_MUL,)
-    return ("swiglu_oai", float(config.swiglu_alpha), float(config.swiglu_limit), float(config.swiglu_beta))
+        return compile_once(("grouped_gemv_sm90", configuration, indexed), lambda: compile_tvm_ffi(
+            GroupedGemvSm90(**CONFIGURATIONS[configuration]), grouped_gemv_arguments(configuration, indexed)))
 
 
 def router_logits(gate: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -210,42 +196,6 @@ def _expert_projection(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Te
     return _grouped_mm(rows, weights.transpose(-2, -1), offsets)
 
 
-def _gated_projection(experts, x: torch.Tensor, offsets: torch.Tensor, token_of_row: torch.Tensor) -> torch.Tensor:
-    """``act(gate, up)`` of the rows in expert order (``x[token_of_row]``): the gated GEMV where it pays, else the
-    grouped projection and the module's activation."""
-    weights = experts.gate_up_proj
-    if (getattr(experts, "config", None) is not None and gemv_pays(token_of_row.shape[0], weights.shape[0])
-            and grouped_gemv_serves(x, weights)):
-        return _launch_grouped_gemv(x, weights, offsets, row_index=token_of_row,
-                                    activation=gemv_activation(experts.config))
-    return experts._apply_gate(_expert_projection(x, weights, offsets, token_of_row))
-
-
-def _token_sum_serves(gated: torch.Tensor, weights: torch.Tensor, top_k_index: torch.Tensor,
-                      slot_of_pair: torch.Tensor) -> bool:
-    """Whether the down projection and the weighted token sum take ``ExpertTokenSumSm90``: where the GEMV pays, on
-    its operands, with int64 expert ids of unit column stride and each pair's row."""
-    pairs = top_k_index.numel()
-    return (gemv_pays(pairs, weights.shape[0]) and grouped_gemv_serves(gated, weights)
-            and top_k_index.dim() == 2 and top_k_index.dtype == torch.int64 and top_k_index.stride(-1) == 1
-            and slot_of_pair.dtype == torch.int64 and slot_of_pair.shape == (pairs,) and slot_of_pair.is_contiguous()
-            and gated.shape[0] == pairs)
-
-
-def _launch_token_sum(gated, weights, top_k_index, slot_of_pair, top_k_weights) -> torch.Tensor:
-    """``weighted_token_sum`` of the down projection of ``gated``, by one kernel (operands checked by
-    ``_token_sum_serves``): ``[T, hidden]`` in ``gated``'s dtype."""
-    from .kernels.grouped_gemv_sm90 import ExpertTokenSumSm90
-    from .kernels.signatures import expert_token_sum_arguments
-
-    out = torch.empty(top_k_index.shape[0], weights.shape[1], dtype=gated.dtype, device=gated.device)
-    with torch.cuda.device(gated.device):
-        kernel = compile_once(("expert_token_sum_sm90",), lambda: compile_tvm_ffi(
-            ExpertTokenSumSm90(max_pairs=GEMV_MAX_PAIRS), expert_token_sum_arguments()))
-    kernel(gated, weights, top_k_index, slot_of_pair, top_k_weights.float(), out)
-    return out
-
-
 def grouped_mm_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                top_k_weights: torch.Tensor) -> torch.Tensor:
     routed = getattr(self, "routing_plan", None)
@@ -259,9 +209,7 @@ def grouped_mm_experts_forward(self, hidden_states: torch.Tensor, top_k_index: t
         else:
             plan = routing_plan_by_sorting
         token_of_row, offsets, slot_of_pair = plan(top_k_index, self.num_experts)
-    gated = _gated_projection(self, hidden_states, offsets, token_of_row)
-    if _token_sum_serves(gated, self.down_proj, top_k_index, slot_of_pair):
-        return _launch_token_sum(gated, self.down_proj, top_k_index, slot_of_pair, top_k_weights)
+    gated = self._apply_gate(_expert_projection(hidden_states, self.gate_up_proj, offsets, token_of_row))
     outputs = _expert_projection(gated.contiguous(), self.down_proj, offsets)
     combine = compiled("weighted_token_sum", weighted_token_sum) if fuse(outputs) else weighted_token_sum
     return combine(outputs, slot_of_pair, top_k_weights)

@@ -17,31 +17,14 @@ the result does not depend on timing. Rows past the expert's last are computed o
 
 Splitting K over the warps of a CTA puts more loads in flight per column: the narrow outputs (a 512-wide expert, a
 router of a few experts) have too few columns to fill the SMs one warp per column group.
-
-With an ``activation`` the weights are an MLP's ``[gate | up]`` rows (``[E, 2I, K]``) and ``out [P, I]`` is
-``act(gate, up)``: a warp's columns ``j`` take weight rows ``j`` and ``I + j`` and apply the activation to their fp32
-sums, so the gated projection needs no activation pass after it.
 """
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 
-__all__ = ["CONFIGURATIONS", "ExpertTokenSumSm90", "GroupedGemvSm90"]
-
-
-@cute.jit
-def load_vector(mRow, k, vector: cutlass.Constexpr):
-    """Elements ``k .. k + vector - 1`` of a row (aligned to the vector's bytes) as fp32, by one load."""
-    fragment = cute.make_rmem_tensor((vector,), mRow.element_type)
-    source = cute.local_tile(mRow, (vector,), (k // vector,))
-    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mRow.element_type,
-                               num_bits_per_copy=vector * mRow.element_type.width)
-    cute.copy(atom, source, fragment)
-    return fragment.load().to(cutlass.Float32)
+__all__ = ["CONFIGURATIONS", "GroupedGemvSm90"]
 
 
 class GroupedGemvSm90:
@@ -53,21 +36,13 @@ class GroupedGemvSm90:
 
     unroll = 4
 
-    def __init__(self, columns_per_warp: int = 4, k_splits: int = 1, column_groups: int = 2, rows_per_pass: int = 2,
-                 activation: tuple = None):
-        # activation: None, ("silu_and_mul",) or ("swiglu_oai", alpha, limit, beta) (the model's gated_activation)
-        if activation is not None and activation[0] not in ("silu_and_mul", "swiglu_oai"):
-            raise ValueError(f"activation must be None, ('silu_and_mul',) or ('swiglu_oai', alpha, limit, beta), "
-                             f"got {activation!r}")
-        self.activation = activation
-        self.gated = activation is not None
+    def __init__(self, columns_per_warp: int = 4, k_splits: int = 1, column_groups: int = 2, rows_per_pass: int = 2):
         self.columns_per_warp = columns_per_warp
         self.k_splits = k_splits
         self.column_groups = column_groups
         self.rows_per_pass = rows_per_pass
         self.warps = column_groups * k_splits
         self.columns_per_cta = column_groups * columns_per_warp
-        self.halves = 2 if self.gated else 1  # weight rows per output column
 
     @cute.jit
     def __call__(
@@ -79,7 +54,7 @@ class GroupedGemvSm90:
         mRowIndex,  # (rows,) int64: the row of x each output row reads; None: the same row
         stream,
     ):
-        columns = cute.size(mOut, mode=[1])
+        columns = cute.size(mW, mode=[1])
         slots = 1
         if cutlass.const_expr(mOffsets is not None):
             slots = cutlass.min(cute.size(mW, mode=[0]), cute.size(mOut, mode=[0]))
@@ -99,8 +74,7 @@ class GroupedGemvSm90:
         if cutlass.const_expr(self.k_splits > 1):
             sPartial = cutlass.utils.SmemAllocator().allocate_tensor(
                 cutlass.Float32,
-                cute.make_layout((self.rows_per_pass * self.columns_per_warp * self.halves, self.k_splits,
-                                  self.column_groups)), 16)
+                cute.make_layout((self.rows_per_pass * self.columns_per_warp, self.k_splits, self.column_groups)), 16)
         first_column = column_block * self.columns_per_cta + group * self.columns_per_warp
         if cutlass.const_expr(mOffsets is None):
             self.expert_columns(mX, mW, mOut, mRowIndex, sPartial, 0, 0, cute.size(mOut, mode=[0]), first_column,
@@ -145,14 +119,13 @@ class GroupedGemvSm90:
     @cute.jit
     def expert_columns(self, mX, mW, mOut, mRowIndex, sPartial, expert, row_begin, row_end, first_column, group,
                        split, lane):
-        columns = cute.size(mOut, mode=[1])
+        columns = cute.size(mW, mode=[1])
         depth = cute.size(mW, mode=[2])
         vector = 128 // mW.element_type.width
         slots = self.rows_per_pass * self.columns_per_warp
         for row_base in cutlass.range(row_begin, row_end, self.rows_per_pass, unroll=1):
-            # partial[r, h * columns_per_warp + c]: row r's sum with the weight row of column c's half h (gate, up)
-            partial = cute.make_rmem_tensor((self.rows_per_pass, self.columns_per_warp * self.halves), cutlass.Float32)
-            for i in cutlass.range_constexpr(slots * self.halves):
+            partial = cute.make_rmem_tensor((self.rows_per_pass, self.columns_per_warp), cutlass.Float32)
+            for i in cutlass.range_constexpr(slots):
                 partial[i] = 0.0
             rows = [cutlass.min(row_base + r, row_end - 1) for r in range(self.rows_per_pass)]
             sources = rows
@@ -161,141 +134,48 @@ class GroupedGemvSm90:
                 last = cute.size(mX, mode=[0]) - 1
                 sources = [cutlass.max(cutlass.min(cutlass.Int32(mRowIndex[rows[r]]), last), 0)
                            for r in range(self.rows_per_pass)]
-            weight_rows = [h * columns + cutlass.min(first_column + c, columns - 1)
-                           for h in range(self.halves) for c in range(self.columns_per_warp)]
+            weight_rows = [cutlass.min(first_column + c, columns - 1) for c in range(self.columns_per_warp)]
             for k in cutlass.range((split * 32 + lane) * vector, depth, self.k_splits * 32 * vector,
                                    unroll=self.unroll):
-                weights = [load_vector(mW[expert, weight_row, None], k, vector) for weight_row in weight_rows]
+                weights = [self.load_vector(mW[expert, weight_rows[c], None], k, vector)
+                           for c in range(self.columns_per_warp)]
                 for r in cutlass.range_constexpr(self.rows_per_pass):
-                    activations = load_vector(mX[sources[r], None], k, vector)
-                    for c in cutlass.range_constexpr(self.columns_per_warp * self.halves):
+                    activations = self.load_vector(mX[sources[r], None], k, vector)
+                    for c in cutlass.range_constexpr(self.columns_per_warp):
                         products = activations * weights[c]
                         partial[r, c] = partial[r, c] + products.reduce(cute.ReductionOp.ADD, 0.0, 0)
             if cutlass.const_expr(self.k_splits == 1):
                 for r in cutlass.range_constexpr(self.rows_per_pass):
                     for c in cutlass.range_constexpr(self.columns_per_warp):
-                        totals = [cute.arch.warp_reduction(partial[r, h * self.columns_per_warp + c],
-                                                           lambda a, b: a + b) for h in range(self.halves)]
+                        total = cute.arch.warp_reduction(partial[r, c], lambda a, b: a + b)
                         if (lane == 0) & (row_base + r < row_end) & (first_column + c < columns):
-                            mOut[row_base + r, first_column + c] = self.finish(totals).to(mOut.element_type)
+                            mOut[row_base + r, first_column + c] = total.to(mOut.element_type)
             else:
                 for r in cutlass.range_constexpr(self.rows_per_pass):
-                    for c in cutlass.range_constexpr(self.columns_per_warp * self.halves):
+                    for c in cutlass.range_constexpr(self.columns_per_warp):
                         total = cute.arch.warp_reduction(partial[r, c], lambda a, b: a + b)
                         if lane == 0:
-                            sPartial[(c // self.columns_per_warp * self.rows_per_pass + r) * self.columns_per_warp
-                                     + c % self.columns_per_warp, split, group] = total
+                            sPartial[r * self.columns_per_warp + c, split, group] = total
                 cute.arch.barrier()  # every split's sums of this pass are in shared memory
-                # lane l < slots of split 0 sums (row, column) l over the splits, in split order
-                slot = lane % slots
-                row = row_base + slot // self.columns_per_warp
-                column = first_column + slot % self.columns_per_warp
-                totals = [cutlass.Float32(0.0)] * self.halves
-                for h in cutlass.range_constexpr(self.halves):
+                if (split == 0) & (lane < slots):
+                    row = row_base + lane // self.columns_per_warp
+                    column = first_column + lane % self.columns_per_warp
+                    total = cutlass.Float32(0.0)
                     for s in cutlass.range_constexpr(self.k_splits):
-                        totals[h] = totals[h] + sPartial[h * slots + slot, s, group]
-                if (split == 0) & (lane < slots) & (row < row_end) & (column < columns):
-                    mOut[row, column] = self.finish(totals).to(mOut.element_type)
+                        total = total + sPartial[lane, s, group]
+                    if (row < row_end) & (column < columns):
+                        mOut[row, column] = total.to(mOut.element_type)
                 cute.arch.barrier()  # read before the next pass overwrites them
 
     @cute.jit
-    def finish(self, totals):
-        """An output column's value from its fp32 sums: the sum, or the activation of ``(gate, up)``."""
-        result = totals[0]
-        if cutlass.const_expr(self.gated):
-            gate, up = totals[0], totals[1]
-            slope = 1.0
-            if cutlass.const_expr(self.activation[0] == "swiglu_oai"):
-                _, alpha, limit, beta = self.activation
-                gate = cutlass.min(gate, cutlass.Float32(limit))
-                up = cutlass.max(cutlass.min(up, cutlass.Float32(limit)), cutlass.Float32(-limit)) + beta
-                slope = alpha
-            sigmoid = 1.0 / (1.0 + cute.math.exp2(gate * (-slope * math.log2(math.e)), fastmath=False))
-            result = gate * sigmoid * up
-        return result
-
-
-
-class ExpertTokenSumSm90:
-    """The experts' down projection and the routing weights' token sum in one kernel:
-    ``out[t, n] = sum_j route_weights[t, j] * (w[chosen[t, j], n, :] . x[slot_of_pair[t * top_k + j], :])``, fp32
-    products and sums, the pairs ``j`` of a token added in order (deterministic), ``out`` in bf16.
-
-    CTA = ``columns_per_cta`` output columns; its warps take the (token, expert) pairs in turn (warp ``w`` pairs
-    ``w, w + warps, ...``) and each computes its pair's products with all of the CTA's columns, K over its lanes, so
-    a decode step's few pairs load their weights at once. The weighted products meet in shared memory and the
-    token sums are added there. At most ``max_pairs`` pairs (the host takes this kernel for at most that many);
-    expert ids and slots are clamped into the weights' and rows' ranges."""
-
-    unroll = 4
-
-    def __init__(self, columns_per_cta: int = 8, warps: int = 8, max_pairs: int = 64):
-        self.columns_per_cta = columns_per_cta
-        self.warps = warps
-        self.max_pairs = max_pairs
-
-    @cute.jit
-    def __call__(
-        self,
-        mX: cute.Tensor,  # (pairs, K) bf16: the activated rows in expert order
-        mW: cute.Tensor,  # (experts, N, K) bf16, K contiguous
-        mChosen: cute.Tensor,  # (tokens, top_k) int64 expert ids
-        mSlotOfPair: cute.Tensor,  # (tokens * top_k,) int64: pair t * top_k + j's row of x
-        mRouteWeights: cute.Tensor,  # (tokens, top_k) fp32
-        mOut: cute.Tensor,  # (tokens, N) bf16
-        stream,
-    ):
-        column_blocks = (cute.size(mOut, mode=[1]) + self.columns_per_cta - 1) // self.columns_per_cta
-        self.kernel(mX, mW, mChosen, mSlotOfPair, mRouteWeights, mOut).launch(
-            grid=(column_blocks, 1, 1), block=(32 * self.warps, 1, 1), stream=stream)
-
-    @cute.kernel
-    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mChosen: cute.Tensor, mSlotOfPair: cute.Tensor,
-               mRouteWeights: cute.Tensor, mOut: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        column_block, _, _ = cute.arch.block_idx()
-        lane = tidx % 32
-        warp = tidx // 32
-        sWeighted = cutlass.utils.SmemAllocator().allocate_tensor(
-            cutlass.Float32, cute.make_layout((self.columns_per_cta, self.max_pairs)), 16)
-        top_k = cute.size(mChosen, mode=[1])
-        tokens = cute.size(mOut, mode=[0])
-        columns = cute.size(mOut, mode=[1])
-        pairs = cutlass.min(tokens * top_k, self.max_pairs)
-        last_expert = cute.size(mW, mode=[0]) - 1
-        last_row = cute.size(mX, mode=[0]) - 1
-        depth = cute.size(mW, mode=[2])
-        vector = 128 // mW.element_type.width
-        first_column = column_block * self.columns_per_cta
-        weight_rows = [cutlass.min(first_column + c, columns - 1) for c in range(self.columns_per_cta)]
-        for pair in cutlass.range(warp, pairs, self.warps, unroll=1):
-            token = pair // top_k
-            choice = pair - token * top_k
-            expert = cutlass.max(cutlass.min(cutlass.Int32(mChosen[token, choice]), last_expert), 0)
-            row = cutlass.max(cutlass.min(cutlass.Int32(mSlotOfPair[pair]), last_row), 0)
-            dots = cute.make_rmem_tensor((self.columns_per_cta,), cutlass.Float32)
-            dots.fill(0.0)
-            for k in cutlass.range(lane * vector, depth, 32 * vector, unroll=self.unroll):
-                activations = load_vector(mX[row, None], k, vector)
-                for c in cutlass.range_constexpr(self.columns_per_cta):
-                    products = activations * load_vector(mW[expert, weight_rows[c], None], k, vector)
-                    dots[c] = dots[c] + products.reduce(cute.ReductionOp.ADD, 0.0, 0)
-            route_weight = mRouteWeights[token, choice]
-            for c in cutlass.range_constexpr(self.columns_per_cta):
-                total = cute.arch.warp_reduction(dots[c], lambda a, b: a + b)
-                if lane == 0:
-                    sWeighted[c, pair] = total * route_weight
-        cute.arch.barrier()  # every pair's weighted products are in shared memory
-        for item in cutlass.range(tidx, tokens * self.columns_per_cta, 32 * self.warps, unroll=1):
-            token = item // self.columns_per_cta
-            c = item - token * self.columns_per_cta
-            total = cutlass.Float32(0.0)
-            for choice in cutlass.range(top_k, unroll=1):
-                pair = token * top_k + choice
-                if pair < pairs:
-                    total = total + sWeighted[c, pair]
-            if first_column + c < columns:
-                mOut[token, first_column + c] = total.to(mOut.element_type)
+    def load_vector(self, mRow, k, vector: cutlass.Constexpr):
+        """Elements ``k .. k + vector - 1`` of a row (aligned to the vector's bytes) as fp32, by one load."""
+        fragment = cute.make_rmem_tensor((vector,), mRow.element_type)
+        source = cute.local_tile(mRow, (vector,), (k // vector,))
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mRow.element_type,
+                                   num_bits_per_copy=vector * mRow.element_type.width)
+        cute.copy(atom, source, fragment)
+        return fragment.load().to(cutlass.Float32)
 
 
 CONFIGURATIONS = {

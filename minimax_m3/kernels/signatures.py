@@ -9,7 +9,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
 __all__ = ["sparse_attention_fake_arguments", "sparse_decode_attention_arguments", "grouped_gemv_arguments",
-           "expert_token_sum_arguments", "qk_norm_rope_arguments", "decode_routing_arguments"]
+           "qk_norm_rope_arguments", "decode_routing_arguments"]
 
 SCALE = 0.08838834764831845
 
@@ -56,13 +56,12 @@ def sparse_decode_attention_arguments(num_heads: int = 64, num_kv_heads: int = 4
             make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
-def grouped_gemv_arguments(configuration: str, indexed: bool = False, gated: bool = False):
+def grouped_gemv_arguments(configuration: str, indexed: bool = False):
     """Fake tensors for ``GroupedGemvSm90.__call__`` in a named configuration (TVM-FFI calls): bf16 rows ``[P, K]``
     with 16-byte aligned rows, weights ``[E, N, K]`` and the output ``[P, N]`` (every extent dynamic, K and N
     multiples of 8), the offsets ``[E]`` int32; bf16 weights and output for the experts, fp32 for the router, whose
     one weight serves every row (no offsets). ``indexed``: x is ``[T, K]`` tokens and a row index ``[P]`` int64
-    names each output row's token. ``gated`` (an activation's kernel): the weights are ``[E, 2I, K]``, the output
-    ``[P, I]``."""
+    names each output row's token."""
     grouped = configuration != "router"
     weight_dtype = out_dtype = cutlass.BFloat16 if grouped else cutlass.Float32
     rows, experts, columns, depth = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), cute.sym_int32(divisibility=8)
@@ -73,28 +72,9 @@ def grouped_gemv_arguments(configuration: str, indexed: bool = False, gated: boo
     w = make_fake_tensor(weight_dtype, (experts, columns, depth),
                          (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1), assumed_align=16)
     offsets = make_fake_tensor(cutlass.Int32, (experts,), (1,), assumed_align=4) if grouped else None
-    out_columns = cute.sym_int32() if gated else columns
-    out = make_fake_tensor(out_dtype, (rows, out_columns), (cute.sym_int64(), 1), assumed_align=out_dtype.width // 8)
+    out = make_fake_tensor(out_dtype, (rows, columns), (cute.sym_int64(), 1), assumed_align=out_dtype.width // 8)
     row_index = make_fake_tensor(cutlass.Int64, (rows,), (1,), assumed_align=8) if indexed else None
     return x, w, offsets, out, row_index, make_fake_stream(use_tvm_ffi_env_stream=True)
-
-
-def expert_token_sum_arguments():
-    """Fake tensors for ``ExpertTokenSumSm90.__call__`` (TVM-FFI calls): the activated rows ``[P, K]`` bf16 (16-byte
-    aligned rows), the down weights ``[E, N, K]`` bf16, the chosen experts ``[T, top_k]`` int64, each pair's row
-    ``[T * top_k]`` int64, the routing weights ``[T, top_k]`` fp32 and the output ``[T, N]`` bf16 (every extent
-    dynamic, K a multiple of 8)."""
-    rows, experts, columns = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
-    depth = cute.sym_int32(divisibility=8)
-    tokens, top_k = cute.sym_int32(), cute.sym_int32()
-    x = make_fake_tensor(cutlass.BFloat16, (rows, depth), (cute.sym_int64(divisibility=8), 1), assumed_align=16)
-    w = make_fake_tensor(cutlass.BFloat16, (experts, columns, depth),
-                         (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1), assumed_align=16)
-    chosen = make_fake_tensor(cutlass.Int64, (tokens, top_k), (cute.sym_int64(), 1), assumed_align=8)
-    slot_of_pair = make_fake_tensor(cutlass.Int64, (cute.sym_int32(),), (1,), assumed_align=8)
-    route_weights = make_fake_tensor(cutlass.Float32, (tokens, top_k), (cute.sym_int64(), 1), assumed_align=4)
-    out = make_fake_tensor(cutlass.BFloat16, (tokens, columns), (cute.sym_int64(), 1), assumed_align=2)
-    return x, w, chosen, slot_of_pair, route_weights, out, make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
 def qk_norm_rope_arguments(num_heads: int = 64, num_kv_heads: int = 4, head_dim: int = 128, rotary_half: int = 32,
