@@ -18,6 +18,9 @@ __all__ = ["MAX_TOKENS", "global_forward_hooks", "linear", "linear_gemv", "linea
 
 MAX_TOKENS = 4
 """The most rows one call multiplies (``LinearGemvSm90``: a group's sums are one per lane)."""
+MIN_DEPTH = 1024
+"""Narrower inputs keep cuBLAS: a row of a few hundred bytes per stage leaves the ring latency-bound (256 and 512
+wide: 20 µs against cuBLAS's 4-5 µs, H200)."""
 
 
 def max_depth(tokens: int) -> int:
@@ -36,7 +39,7 @@ def linear_gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_TOKENS and x.dtype == torch.bfloat16
             and type(weight.data) is torch.Tensor and weight.dim() == 2 and weight.dtype == torch.bfloat16
             and weight.device == x.device and weight.shape[1] == x.shape[1] and weight.shape[0] > 0
-            and x.shape[1] % 8 == 0
+            and x.shape[1] % 8 == 0 and x.shape[1] >= MIN_DEPTH
             and x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
             and weight.is_contiguous() and weight.data_ptr() % 16 == 0
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
