@@ -16,11 +16,9 @@ from indexer.compile_check import run_compile_check
 def variants():
     from .kernels.decode_routing_sm90 import DecodeRoutingSm90
     from .kernels.grouped_gemv_sm90 import CONFIGURATIONS, GroupedGemvSm90
-    from .kernels.linear_gemv_sm90 import LinearGemvSm90
     from .kernels.qk_norm_rope_sm90 import QkNormRopeSm90
-    from .kernels.signatures import (decode_routing_arguments, grouped_gemv_arguments, linear_gemv_arguments,
-                                     qk_norm_rope_arguments, sparse_attention_fake_arguments,
-                                     sparse_decode_attention_arguments)
+    from .kernels.signatures import (decode_routing_arguments, grouped_gemv_arguments, qk_norm_rope_arguments,
+                                     sparse_attention_fake_arguments, sparse_decode_attention_arguments)
     from .kernels.sparse_attention_sm90 import SparseAttentionSm90
 
     yield ("sparse_attention_sm90_g16", SparseAttentionSm90(16), sparse_attention_fake_arguments(), "bf16.bf16")
@@ -31,11 +29,6 @@ def variants():
         if name != "router":  # the experts' first projection reads the tokens through the pairs' row index
             yield (f"grouped_gemv_sm90_{name}_indexed", GroupedGemvSm90(**configuration),
                    grouped_gemv_arguments(name, indexed=True), None)
-    # a decode step's projections at M3's widths (6144 in, and o_proj's 8192), 1 and 4 tokens
-    for tokens in (1, 4):
-        for depth in (6144, 8192):
-            yield (f"linear_gemv_sm90_t{tokens}_k{depth}", LinearGemvSm90(tokens, depth),
-                   linear_gemv_arguments(tokens, depth), None)
     # M3's routing: top-4 (of 128 experts; the presets' 4 take top-2)
     yield ("decode_routing_sm90_top4", DecodeRoutingSm90(4), decode_routing_arguments(4), None)
     yield ("decode_routing_sm90_top2", DecodeRoutingSm90(2), decode_routing_arguments(2), None)

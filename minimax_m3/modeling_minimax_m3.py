@@ -34,7 +34,6 @@ from .decode_routing import decode_routing, decode_routing_serves
 from .dense_attention import ALL_ATTENTION_FUNCTIONS, check_served, dense_attention, eager_attention_forward
 from .experts import EXPERTS_FUNCTIONS, router_logits
 from .fusion import compiled, fuse
-from .linear_gemv import project
 from .packed_projections import ProjectionGroup
 from .streams import run_branches
 from .sparse_attention import (ForwardMetadata, PageSelector, get_sparse_attention_function, host_to_device,
@@ -209,7 +208,7 @@ class MiniMaxM3MLP(nn.Module):
 
     def forward(self, x):
         gate, up = self.input_projections(self, x)
-        return project(self.down_proj, gated_activation(self.config, gate, up))
+        return self.down_proj(gated_activation(self.config, gate, up))
 
 
 def gated_activation(config: MiniMaxM3Config, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -458,7 +457,7 @@ class MiniMaxM3Attention(nn.Module):
                 self.config.sparse_attention_implementation, x.device, self.config.index_block_size
             )
             attended = attend(q, keys, values, selection, metadata, scale=self.scale, page_size=self.config.index_block_size)
-        return project(self.o_proj, attended.reshape(tokens, -1)), selection
+        return self.o_proj(attended.reshape(tokens, -1)), selection
 
 
 class MiniMaxM3DecoderLayer(GradientCheckpointingLayer):
@@ -1142,7 +1141,7 @@ class MiniMaxM3ForCausalLM(MiniMaxM3PreTrainedModel, GenerationMixin):
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) and logits_to_keep > 0 else (
             slice(None) if isinstance(logits_to_keep, int) else logits_to_keep
         )
-        logits = project(self.lm_head, hidden[:, keep]).float()
+        logits = self.lm_head(hidden[:, keep]).float()
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)

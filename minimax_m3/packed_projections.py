@@ -22,8 +22,6 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from .linear_gemv import global_forward_hooks, linear
-
 __all__ = ["ProjectionGroup", "pack"]
 
 logger = logging.getLogger(__name__)
@@ -112,10 +110,10 @@ class ProjectionGroup:
         span = self._packed_span(owner, names, members)
         if span is None:
             return [member(x) for member in members]
-        return list(linear(x, span).split([member.weight.shape[0] for member in members], dim=-1))
+        return list(nn.functional.linear(x, span).split([member.weight.shape[0] for member in members], dim=-1))
 
     def _packed_span(self, owner: nn.Module, names: tuple, members: list) -> Optional[torch.Tensor]:
-        if global_forward_hooks():
+        if _global_hooks():
             return None
         key = tuple((id(member), member.weight.data_ptr(), bool(member._forward_hooks or member._forward_pre_hooks))
                     for member in members)
@@ -128,6 +126,12 @@ class ProjectionGroup:
             _report_once(f"{type(owner).__name__} {'/'.join(names)}", reason or "replaced after packing")
         self._spans[names] = (key, span)
         return span
+
+
+def _global_hooks() -> bool:
+    """Forward hooks registered for every module (``nn.modules.module.register_module_forward_hook``)."""
+    module = nn.modules.module
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
 
 
 _reported: set = set()

@@ -46,27 +46,3 @@ def test_a_hooked_router_is_called_through_its_module():
     gate.register_forward_pre_hook(lambda module, args: calls.append(args[0].dtype))
     router_logits(gate, torch.randn(2, 64, dtype=torch.bfloat16))
     assert calls == [torch.float32]
-
-
-def test_the_linear_gemv_refuses_cpu_operands_by_name_and_project_keeps_the_module_call():
-    from minimax_m3.linear_gemv import linear_gemv, linear_gemv_serves, project
-
-    x, weight = torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(16, 64, dtype=torch.bfloat16)
-    assert not linear_gemv_serves(x, weight)
-    with pytest.raises(ValueError, match=r"linear_gemv needs bf16 x \[T <= 4, K\]"):
-        linear_gemv(x, weight)
-    module = torch.nn.Linear(64, 16, bias=False, dtype=torch.bfloat16)
-    torch.testing.assert_close(project(module, x), module(x), rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("tokens, depth", [(1, 32768), (2, 16384), (3, 8192), (4, 8192)])
-def test_the_linear_gemv_kernel_takes_its_widest_input_and_refuses_wider(tokens, depth):
-    pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
-    from minimax_m3.kernels.linear_gemv_sm90 import LinearGemvSm90
-
-    assert LinearGemvSm90.max_depth(tokens) == depth
-    LinearGemvSm90(tokens, depth)
-    with pytest.raises(ValueError, match="depth must be"):
-        LinearGemvSm90(tokens, depth + 8)
-    with pytest.raises(ValueError, match="tokens must be"):
-        LinearGemvSm90(5, 64)

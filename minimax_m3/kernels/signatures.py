@@ -9,7 +9,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
 __all__ = ["sparse_attention_fake_arguments", "sparse_decode_attention_arguments", "grouped_gemv_arguments",
-           "linear_gemv_arguments", "qk_norm_rope_arguments", "decode_routing_arguments"]
+           "qk_norm_rope_arguments", "decode_routing_arguments"]
 
 SCALE = 0.08838834764831845
 
@@ -75,17 +75,6 @@ def grouped_gemv_arguments(configuration: str, indexed: bool = False):
     out = make_fake_tensor(out_dtype, (rows, columns), (cute.sym_int64(), 1), assumed_align=out_dtype.width // 8)
     row_index = make_fake_tensor(cutlass.Int64, (rows,), (1,), assumed_align=8) if indexed else None
     return x, w, offsets, out, row_index, make_fake_stream(use_tvm_ffi_env_stream=True)
-
-
-def linear_gemv_arguments(tokens: int, depth: int):
-    """Fake tensors for ``LinearGemvSm90(tokens, depth).__call__`` (TVM-FFI calls): x ``[tokens, depth]`` bf16 with
-    16-byte aligned rows, a contiguous weight ``[N, depth]`` and the output ``[tokens, N]`` with a dynamic row stride
-    (N dynamic), and the CTA count."""
-    columns = cute.sym_int32()
-    x = make_fake_tensor(cutlass.BFloat16, (tokens, depth), (cute.sym_int64(divisibility=8), 1), assumed_align=16)
-    w = make_fake_tensor(cutlass.BFloat16, (columns, depth), (depth, 1), assumed_align=16)
-    out = make_fake_tensor(cutlass.BFloat16, (tokens, columns), (cute.sym_int64(), 1), assumed_align=2)
-    return x, w, out, cutlass.Int32(132), make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
 def qk_norm_rope_arguments(num_heads: int = 64, num_kv_heads: int = 4, head_dim: int = 128, rotary_half: int = 32,
