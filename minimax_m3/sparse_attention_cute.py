@@ -31,6 +31,7 @@ DECODE_MAX_SPLITS = 16
 """Splits per token and KV group the decode kernel merges at most (``SparseAttentionSm90.max_splits``)."""
 
 _arrival_counters = {}
+_outgrown_arrival_counters = []  # replaced by larger ones; a CUDA graph may still write them, so never freed
 
 
 def cute_sparse_attention_supported(q: torch.Tensor, keys: torch.Tensor, page_size: int) -> bool:
@@ -179,11 +180,14 @@ def sparse_decode_attention_cute(q: torch.Tensor, keys: torch.Tensor, values: to
 def decode_arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     """``count`` int32 arrival counters for the decode kernel on ``device``'s current stream: zero, and zero again
     after every launch (its last split CTA of a (token, group) resets the group's counter). One buffer per stream,
-    kept for the process (a CUDA graph keeps the buffer it captured), so launches on one stream reuse it in turn;
-    graphs captured on one stream and replayed concurrently on different streams would share it."""
+    grown for more counters; every buffer is kept for the process, the outgrown ones too, since a CUDA graph may
+    have captured one. Launches on one stream reuse it in turn; graphs captured on one stream and replayed
+    concurrently on different streams would share it."""
     key = (device, torch.cuda.current_stream(device).cuda_stream)
     counters = _arrival_counters.get(key)
     if counters is None or counters.numel() < count:
+        if counters is not None:
+            _outgrown_arrival_counters.append(counters)
         counters = _arrival_counters[key] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
     return counters[:count]
 
