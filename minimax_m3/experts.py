@@ -23,9 +23,9 @@ from indexer.cute_runtime import compile_once, compile_tvm_ffi, dsl_available
 
 from .fusion import compiled, fuse
 
-__all__ = ["EXPERTS_FUNCTIONS", "GEMV_MAX_PAIRS", "ROUTER_GEMV_MAX_TOKENS", "gemv_pays", "grouped_gemv",
-           "grouped_gemv_serves", "grouped_mm_experts_forward", "router_logits",
-           "routing_plan_by_counting", "routing_plan_by_sorting", "weighted_token_sum"]
+__all__ = ["EXPERTS_FUNCTIONS", "GEMV_MAX_PAIRS", "ROUTER_GEMV_MAX_TOKENS", "ROUTER_PIECES_MIN_TOKENS",
+           "exact_bf16_pieces", "gemv_pays", "grouped_gemv", "grouped_gemv_serves", "grouped_mm_experts_forward",
+           "router_logits", "routing_plan_by_counting", "routing_plan_by_sorting", "weighted_token_sum"]
 
 
 def weighted_token_sum(outputs: torch.Tensor, slot_of_pair: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -168,18 +168,49 @@ def _gemv_kernel(device: torch.device, configuration: str, indexed: bool = False
             GroupedGemvSm90(**CONFIGURATIONS[configuration]), grouped_gemv_arguments(configuration, indexed)))
 
 
+ROUTER_PIECES_MIN_TOKENS = 1024
+"""From this many bf16 tokens on a CUDA device the router's fp32 logits are three bf16 GEMMs with fp32 output, one
+per exact bf16 piece of the fp32 weight (``exact_bf16_pieces``), instead of casting the tokens to fp32 for an SGEMM
+(docs/PERFORMANCE.md)."""
+
+
+def exact_bf16_pieces(weight: torch.Tensor) -> torch.Tensor:
+    """``[3, *weight.shape]`` bf16 pieces of an fp32 ``weight`` whose fp32 sum is ``weight`` exactly: each piece
+    rounds what the ones before left, and 3 x 8 significand bits cover fp32's 24. Exact for zero and every weight of
+    magnitude from 2^-110 (below, the last piece's bits fall under bf16's smallest subnormal) up to bf16's largest
+    finite value (3.39e38; above, the first piece rounds to infinity)."""
+    first = weight.to(torch.bfloat16)
+    rest = weight - first.float()
+    second = rest.to(torch.bfloat16)
+    return torch.stack([first, second, (rest - second.float()).to(torch.bfloat16)])
+
+
+def _logits_by_pieces(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` in fp32 for bf16 ``x`` and an fp32 ``weight``: bf16 x bf16 products are exact in fp32, so
+    the three pieces' GEMMs with fp32 accumulation and output, summed, carry fp32's accuracy at the bf16 rate."""
+    pieces = exact_bf16_pieces(weight)
+    num_experts = weight.shape[0]
+    by_piece = torch.mm(x, pieces.view(3 * num_experts, -1).t(), out_dtype=torch.float32).view(-1, 3, num_experts)
+    return (by_piece[:, 2] + by_piece[:, 1]) + by_piece[:, 0]
+
+
 def router_logits(gate: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """The router's fp32 logits ``[T, E]`` of ``x [T, hidden]``: ``gate(x.float())``. For up to
-    ``ROUTER_GEMV_MAX_TOKENS`` bf16 tokens on SM90 by the GEMV kernel (fp32 weights and sums; 5-9 us less than
-    the cast and cuBLAS's split-K GEMM and its reduction), unless the module is not a plain ``nn.Linear`` with an fp32
-    weight or carries hooks (offloading brings its weight in one), which keep the module call."""
+    """The router's fp32 logits ``[T, E]`` of ``x [T, hidden]``: ``gate(x.float())``. For a plain ``nn.Linear``
+    with an fp32 weight and no hooks (offloading brings its weight in one; such a module is called) and bf16 ``x``:
+    up to ``ROUTER_GEMV_MAX_TOKENS`` tokens on SM90 by the GEMV kernel (fp32 weights and sums; 5-9 us less than the
+    cast and cuBLAS's split-K GEMM and its reduction), from ``ROUTER_PIECES_MIN_TOKENS`` tokens on CUDA by the
+    weight's exact bf16 pieces (``_logits_by_pieces``)."""
     weight = gate.weight
-    if (x.dim() == 2 and 0 < x.shape[0] <= ROUTER_GEMV_MAX_TOKENS and type(gate) is torch.nn.Linear
-            and gate.bias is None and not gate._forward_pre_hooks and not gate._forward_hooks
-            and weight.dtype == torch.float32 and _gemv_operands_ok(x, weight)):
+    plain = (x.dim() == 2 and type(gate) is torch.nn.Linear and gate.bias is None and not gate._forward_pre_hooks
+             and not gate._forward_hooks and weight.dtype == torch.float32)
+    if plain and 0 < x.shape[0] <= ROUTER_GEMV_MAX_TOKENS and _gemv_operands_ok(x, weight):
         out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
         _gemv_kernel(x.device, "router")(x, weight.unsqueeze(0), None, out, None)
         return out
+    if (plain and x.shape[0] >= ROUTER_PIECES_MIN_TOKENS and x.is_cuda and x.dtype == torch.bfloat16
+            and weight.device == x.device and type(weight.data) is torch.Tensor
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return _logits_by_pieces(x, weight)
     return gate(x.to(weight.dtype)).float()
 
 

@@ -157,6 +157,35 @@ def test_more_tokens_than_a_router_pass_take_the_modules_product():
         assert torch.equal(router_logits(gate, x), gate(x.float()))
 
 
+def test_long_prefills_take_the_router_weights_bf16_pieces_at_fp32_accuracy(monkeypatch):
+    torch.manual_seed(7)
+    gate = torch.nn.Linear(6144, 128, bias=False, device="cuda")
+    torch.nn.init.normal_(gate.weight, std=0.02)
+    tokens = experts_module.ROUTER_PIECES_MIN_TOKENS
+    x = (torch.randn(2 * tokens + 5, 6144, device="cuda") * 0.5).to(torch.bfloat16)
+    by_pieces = []
+    logits_by_pieces = experts_module._logits_by_pieces
+    monkeypatch.setattr(experts_module, "_logits_by_pieces",
+                        lambda *args: by_pieces.append(1) or logits_by_pieces(*args))
+    with torch.no_grad():
+        logits = router_logits(gate, x)
+        sgemm = gate(x.float())
+        assert torch.equal(router_logits(gate, x[: tokens - 1]), gate(x[: tokens - 1].float()))
+    assert by_pieces == [1] and logits.dtype == torch.float32 and logits.shape == (2 * tokens + 5, 128)
+    with torch.enable_grad():  # recording a gradient keeps the module's product
+        assert torch.equal(router_logits(gate, x).detach(), sgemm)
+    expected = x.double() @ gate.weight.double().t()
+    error, sgemm_error = ((values.double() - expected).abs().max().item() for values in (logits, sgemm))
+    assert error <= 4 * sgemm_error, (error, sgemm_error)
+    torch.testing.assert_close(logits.double(), expected, rtol=1e-5, atol=1e-5)
+    # the top-4 choice is fp64's wherever fp64's 4th and 5th logits are further apart than both errors
+    top5 = expected.topk(5, dim=-1)
+    clear = (top5.values[:, 3] - top5.values[:, 4]) > 2 * max(error, sgemm_error)
+    assert clear.float().mean() > 0.99
+    chosen = logits.topk(4, dim=-1).indices.sort(-1).values
+    assert torch.equal(chosen[clear], top5.indices[:, :4].sort(-1).values[clear])
+
+
 def test_a_decode_steps_routing_by_the_gemv_equals_the_modules():
     from minimax_m3.bench_prefill import geometry_config
     from minimax_m3.modeling_minimax_m3 import MiniMaxM3SparseMoeBlock

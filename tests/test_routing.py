@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from minimax_m3 import MiniMaxM3Config
-from minimax_m3.experts import (COUNTED_PLAN_MAX_PAIRS, grouped_mm_experts_forward, routing_plan_by_counting,
+from minimax_m3.experts import (COUNTED_PLAN_MAX_PAIRS, ROUTER_PIECES_MIN_TOKENS, exact_bf16_pieces,
+                                grouped_mm_experts_forward, router_logits, routing_plan_by_counting,
                                 routing_plan_by_sorting)
 from minimax_m3.modeling_minimax_m3 import MiniMaxM3Experts, top_k_columns
 
@@ -87,3 +88,26 @@ def test_the_experts_take_a_decode_routing_plan_for_its_own_choice_only():
     module.routing_plan = RoutingPlan(index, *routing_plan_by_counting(index, 8))
     with torch.no_grad():
         torch.testing.assert_close(grouped_mm_experts_forward(module, x, index, weights), expected)
+
+
+def test_the_router_weights_bf16_pieces_sum_to_it_exactly():
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.cat([torch.randn(64, 96, generator=generator) * 10.0 ** scale for scale in (-25, -8, -2, 0, 5, 30)])
+    special = torch.tensor([0.0, -0.0, 2.0 ** -110, -(2.0 ** -110), 1.0 + 2.0 ** -23, 1.0 + 2.0 ** -8 + 2.0 ** -23,
+                            -(1.0 + 2.0 ** -16 + 2.0 ** -22), 3.38e38, float(torch.finfo(torch.float32).tiny)])
+    weight = torch.cat([weight.reshape(-1), special])
+    pieces = exact_bf16_pieces(weight)
+    assert pieces.dtype == torch.bfloat16 and pieces.shape == (3, *weight.shape)
+    assert torch.equal(pieces[0].float() + pieces[1].float() + pieces[2].float(), weight)
+    # bf16 tokens times a piece are exact in fp32, so the pieces' fp32 product is the weight's in fp64's terms
+    x = torch.randn(5, 96, generator=generator).to(torch.bfloat16)
+    matrix = weight[: 64 * 96 * 6].view(-1, 96)
+    by_pieces = sum(x.double() @ piece.double().t() for piece in exact_bf16_pieces(matrix))
+    torch.testing.assert_close(by_pieces, x.double() @ matrix.double().t(), rtol=1e-12, atol=0)
+
+
+def test_the_router_on_a_cpu_is_the_modules_fp32_product_at_any_length():
+    gate = torch.nn.Linear(64, 8, bias=False)
+    x = torch.randn(ROUTER_PIECES_MIN_TOKENS + 3, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(router_logits(gate, x), gate(x.float()))
