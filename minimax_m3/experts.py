@@ -168,7 +168,7 @@ def _gemv_kernel(device: torch.device, configuration: str, indexed: bool = False
             GroupedGemvSm90(**CONFIGURATIONS[configuration]), grouped_gemv_arguments(configuration, indexed)))
 
 
-ROUTER_PIECES_MIN_TOKENS = 1024
+ROUTER_PIECES_MIN_TOKENS = 4096
 """From this many bf16 tokens on a CUDA device the router's fp32 logits are three bf16 GEMMs with fp32 output, one
 per exact bf16 piece of the fp32 weight (``exact_bf16_pieces``), instead of casting the tokens to fp32 for an SGEMM
 (docs/PERFORMANCE.md)."""
