@@ -186,8 +186,9 @@ def exact_bf16_pieces(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _logits_by_pieces(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` in fp32 for bf16 ``x`` and an fp32 ``weight``: bf16 x bf16 products are exact in fp32, so
-    the three pieces' GEMMs with fp32 accumulation and output, summed, carry fp32's accuracy at the bf16 rate."""
+    """``x @ weight.T`` in fp32 for bf16 ``x`` and an fp32 ``weight`` at the bf16 GEMM rate: bf16 x bf16 products
+    are exact in fp32, so what the three pieces' summed GEMMs lose is the tensor cores' fp32 accumulation, about
+    8e-6 of the largest logit where cuBLAS's SGEMM loses 1e-6 to 2e-6 (H100, docs/PERFORMANCE.md)."""
     pieces = exact_bf16_pieces(weight)
     num_experts = weight.shape[0]
     by_piece = torch.mm(x, pieces.view(3 * num_experts, -1).t(), out_dtype=torch.float32).view(-1, 3, num_experts)

@@ -99,11 +99,9 @@ def test_the_router_weights_bf16_pieces_sum_to_it_exactly():
     pieces = exact_bf16_pieces(weight)
     assert pieces.dtype == torch.bfloat16 and pieces.shape == (3, *weight.shape)
     assert torch.equal(pieces[0].float() + pieces[1].float() + pieces[2].float(), weight)
-    # bf16 tokens times a piece are exact in fp32, so the pieces' fp32 product is the weight's in fp64's terms
-    x = torch.randn(5, 96, generator=generator).to(torch.bfloat16)
-    matrix = weight[: 64 * 96 * 6].view(-1, 96)
-    by_pieces = sum(x.double() @ piece.double().t() for piece in exact_bf16_pieces(matrix))
-    torch.testing.assert_close(by_pieces, x.double() @ matrix.double().t(), rtol=1e-12, atol=0)
+    # each piece is what the ones before left, rounded: the later pieces are at most half a bf16 step of the earlier
+    assert (pieces[1].float().abs() <= pieces[0].float().abs() * 2.0 ** -8).all()
+    assert (pieces[2].float().abs() <= pieces[1].float().abs() * 2.0 ** -8).all()
 
 
 def test_the_router_on_a_cpu_is_the_modules_fp32_product_at_any_length():
