@@ -6,6 +6,11 @@ probability mass on each causal page (the group's query heads summed, normalised
 page scores of the same causal pages (``indexer.differentiable_page_scores``: history pages as the indexer
 scores them, the local page over its causal keys). The loss is ``KL(target || prediction)`` averaged over rows.
 Only the indexer's projections and norms receive gradients; the rest of the model runs dense and frozen.
+
+The ``"history"`` objective fits only what the selection reads: the top-k ranks the history pages and forces the
+local page, and a row with at most ``topk - 1`` history pages selects them all. Per choosing row it takes the KL
+between the history pages' share of the mass and the softmax over their index scores, weighted by the history's
+mass (``history_page_kl``).
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ from minimax_m3.sparse_attention import dense_attention_page_mass
 from .layer_inputs import SparseLayerInput, capture_sparse_layer_inputs, single_pass
 from .modes import attention_mode
 
-__all__ = ["INDEXER_PARAMETER_PREFIXES", "indexer_parameter_names", "initialise_indexer_from_attention",
-           "page_distribution_kl", "layer_distillation_kl", "indexer_distillation_loss"]
+__all__ = ["INDEXER_PARAMETER_PREFIXES", "OBJECTIVES", "indexer_parameter_names", "initialise_indexer_from_attention",
+           "page_distribution_kl", "history_page_kl", "layer_distillation_kl", "indexer_distillation_loss"]
 
 INDEXER_PARAMETER_PREFIXES = ("index_q_proj", "index_k_proj", "index_q_norm", "index_k_norm")
+OBJECTIVES = ("pages", "history")
 
 
 def indexer_parameter_names(model) -> List[str]:
@@ -80,9 +86,38 @@ def page_distribution_kl(index_scores: torch.Tensor, attention_mass: torch.Tenso
     return terms.sum(-1)
 
 
-def layer_distillation_kl(layer_input: SparseLayerInput) -> torch.Tensor:
+def history_page_kl(index_scores: torch.Tensor, attention_mass: torch.Tensor, local_pages: torch.Tensor,
+                    selected_history: int) -> torch.Tensor:
+    """``h * KL(mass over history pages / h || softmax(index scores over history pages))`` per row ``[T, H]``, with
+    ``h`` the row's attention mass on its history pages (pages before ``local_pages[t]``); 0 for rows with at most
+    ``selected_history`` history pages, which the top-k takes whole.
+
+    ``index_scores`` and ``attention_mass`` ``[T, H, pages]`` as ``page_distribution_kl`` takes them,
+    ``local_pages`` ``[T]`` each token's own page. A row whose mass lies on its local page alone contributes 0."""
+    if index_scores.shape != attention_mass.shape or index_scores.dim() != 3:
+        raise ValueError(f"index_scores {tuple(index_scores.shape)} and attention_mass {tuple(attention_mass.shape)} "
+                         f"must both be [tokens, heads, pages]")
+    if local_pages.shape != index_scores.shape[:1]:
+        raise ValueError(f"local_pages must be [{index_scores.shape[0]}] (one per token), got {tuple(local_pages.shape)}")
+    page_ids = torch.arange(index_scores.shape[-1], device=index_scores.device)
+    history = page_ids < local_pages[:, None, None]
+    choosing = (local_pages > selected_history)[:, None, None]
+    # rows that choose nothing get finite dummy scores, so no row's softmax is over -inf alone
+    scores = torch.where(choosing, index_scores.masked_fill(~history, float("-inf")), 0.0)
+    log_prediction = torch.log_softmax(scores, dim=-1)
+    target = attention_mass.to(log_prediction.dtype)
+    history_mass = torch.where(history, target, 0.0).sum(-1, keepdim=True)
+    terms = torch.xlogy(target, target) - torch.xlogy(target, history_mass) - target * log_prediction
+    return torch.where(history & choosing, terms, 0.0).sum(-1)
+
+
+def layer_distillation_kl(layer_input: SparseLayerInput, objective: str = "pages") -> torch.Tensor:
     """Mean KL over the (token, KV group) rows of one sparse layer's captured forward; differentiable in the
-    layer's indexer parameters only (attention's q/k are recomputed without gradients)."""
+    layer's indexer parameters only (attention's q/k are recomputed without gradients). ``objective`` ``"pages"``:
+    ``page_distribution_kl`` over every row; ``"history"``: ``history_page_kl`` over the rows that choose (0 when
+    none does)."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     attention = layer_input.attention
     config = attention.config
     x, cos, sin = layer_input.x, layer_input.cos, layer_input.sin
@@ -96,24 +131,30 @@ def layer_distillation_kl(layer_input: SparseLayerInput) -> torch.Tensor:
                                              page_size=config.index_block_size)
         scores = differentiable_page_scores(index_q[tokens], index_k[tokens], positions,
                                             page_size=config.index_block_size)
-        kl = page_distribution_kl(scores, mass).sum()
+        if objective == "pages":
+            kl = page_distribution_kl(scores, mass).sum()
+            rows += scores.shape[0] * scores.shape[1]
+        else:
+            local_pages = positions // config.index_block_size
+            kl = history_page_kl(scores, mass, local_pages, config.index_topk_blocks - 1).sum()
+            rows += int((local_pages >= config.index_topk_blocks).sum()) * scores.shape[1]
         total = kl if total is None else total + kl
-        rows += scores.shape[0] * scores.shape[1]
     if total is None:
         raise ValueError("the forward held no tokens")
-    return total / rows
+    return total / max(rows, 1)
 
 
-def indexer_distillation_loss(model, input_ids: torch.Tensor) -> Tuple[torch.Tensor, Dict[int, float]]:
+def indexer_distillation_loss(model, input_ids: torch.Tensor,
+                               objective: str = "pages") -> Tuple[torch.Tensor, Dict[int, float]]:
     """``(loss, {layer index: KL})``: the dense forward of ``input_ids`` ``[B, L]`` runs without gradients, with
-    the sparse layers' inputs captured; the loss is the sum over sparse layers of their mean KL (each layer's
-    indexer parameters see only their own layer's term)."""
+    the sparse layers' inputs captured; the loss is the sum over sparse layers of their mean KL by ``objective``
+    (``layer_distillation_kl``; each layer's indexer parameters see only their own layer's term)."""
     with attention_mode(model, "dense"), capture_sparse_layer_inputs(model) as captured, torch.no_grad():
         model.model(input_ids=input_ids, use_cache=False)
     per_layer = {}
     loss = None
     for layer_input in single_pass(model, captured):
-        kl = layer_distillation_kl(layer_input)
+        kl = layer_distillation_kl(layer_input, objective)
         per_layer[layer_input.layer_index] = float(kl.detach())
         loss = kl if loss is None else loss + kl
     return loss, per_layer

@@ -6,7 +6,8 @@ import torch
 
 import minimax_m3  # noqa: F401
 from eval.default_model import _initialise, tiny_config
-from eval.indexer_distillation import indexer_distillation_loss, indexer_parameter_names, page_distribution_kl
+from eval.indexer_distillation import (history_page_kl, indexer_distillation_loss, indexer_parameter_names,
+                                      page_distribution_kl)
 from eval.layer_inputs import capture_sparse_layer_inputs
 from eval.modes import attention_mode
 from eval.recall import RecallAccumulator, indexer_recall
@@ -70,10 +71,59 @@ def test_kl_is_zero_when_the_indexer_distribution_is_the_attention_mass():
     assert torch.all(page_distribution_kl(other, mass)[positions >= 8] > 0)
 
 
-def test_distillation_loss_trains_only_the_indexer(tiny_model):
+def test_history_kl_is_the_history_mass_times_the_kl_of_the_history_shares_per_choosing_row():
+    q, keys, _ = random_attention_inputs(seed=4)
+    positions = torch.arange(q.shape[0])
+    mass = dense_attention_page_mass(q, keys, positions, scale=0.5, page_size=4)  # [45, 2, 12]
+    local = positions // 4
+    causal = torch.arange(mass.shape[2])[None, None, :] <= local[:, None, None]
+    scores = torch.where(causal, torch.randn(mass.shape, dtype=torch.float64,
+                                             generator=torch.Generator().manual_seed(5)), float("-inf"))
+    scores.requires_grad_(True)
+    selected_history = 3
+    kl = history_page_kl(scores, mass, local, selected_history)
+    assert kl.shape == mass.shape[:2]
+    for t in range(mass.shape[0]):
+        for h in range(mass.shape[1]):
+            pages = int(local[t])
+            if pages <= selected_history:
+                assert kl[t, h] == 0  # the top-k takes every history page
+                continue
+            history = mass[t, h, :pages]
+            share = history / history.sum()
+            prediction = torch.softmax(scores[t, h, :pages].detach(), 0)
+            expected = history.sum() * (share * (share / prediction).log()).sum()
+            torch.testing.assert_close(kl[t, h], expected, atol=1e-12, rtol=1e-10)
+    kl.sum().backward()
+    assert torch.isfinite(scores.grad).all()
+    # neither the local page's score nor a short row's scores move the objective
+    assert torch.all(scores.grad[torch.arange(45), :, local] == 0)
+    assert torch.all(scores.grad[local <= selected_history] == 0)
+
+
+def test_history_kl_is_zero_for_the_history_shares_and_for_a_row_whose_mass_is_local():
+    mass = torch.zeros(3, 1, 8, dtype=torch.float64)
+    mass[0, 0, :7] = torch.tensor([0.1, 0.2, 0.05, 0.05, 0.1, 0.1, 0.4])  # local page 6
+    mass[1, 0, 6] = 1.0  # everything on the local page
+    mass[2, 0, :8] = 1 / 8  # local page 7
+    local = torch.tensor([6, 6, 7])
+    scores = torch.full_like(mass, float("-inf"))
+    scores[0, 0, :6] = mass[0, 0, :6].log() + 3.0  # any per-row offset
+    scores[0, 0, 6] = -50.0  # the local page's score is not read
+    scores[1, 0, :7] = torch.randn(7, dtype=torch.float64)
+    scores[2, 0, :8] = torch.randn(8, dtype=torch.float64)
+    kl = history_page_kl(scores, mass, local, 2)
+    torch.testing.assert_close(kl[:2], torch.zeros(2, 1, dtype=torch.float64), atol=1e-12, rtol=0)
+    assert kl[2, 0] > 0
+    with pytest.raises(ValueError, match="local_pages"):
+        history_page_kl(scores, mass, local[:2], 2)
+
+
+@pytest.mark.parametrize("objective", ["pages", "history"])
+def test_distillation_loss_trains_only_the_indexer(tiny_model, objective):
     ids = torch.randint(3, 512, (2, 100), generator=torch.Generator().manual_seed(2))
     tiny_model.zero_grad(set_to_none=True)
-    loss, per_layer = indexer_distillation_loss(tiny_model, ids)
+    loss, per_layer = indexer_distillation_loss(tiny_model, ids, objective)
     assert sorted(per_layer) == [1, 2] and loss.item() > 0
     torch.testing.assert_close(loss.item(), sum(per_layer.values()), rtol=1e-6, atol=0)
     loss.backward()

@@ -24,6 +24,7 @@ import torch
 from minimax_m3.command_line import positive_ints
 
 from ..cli import UsageError, add_debug_argument, run_main
+from ..indexer_distillation import OBJECTIVES
 from ..devices import checked_device
 from ..report import checked_output_path, write_json
 
@@ -58,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     distill.add_argument("--max-minutes", type=float, default=None, help="stop (state saved) after this long")
     distill.add_argument("--output", default=None, help="state and export directory (default: runs/real-model-indexer-index<D>)")
     distill.add_argument("--seed", type=int, default=0)
+    distill.add_argument("--objective", default="pages", choices=OBJECTIVES,
+                         help="pages: the KL over every causal page (MiniMax's); history: only what the top-k reads "
+                              "(eval.indexer_distillation)")
 
     evaluate = common(commands.add_parser("evaluate", help="dense vs sparse variants on the held-out books"))
     evaluate.add_argument("--indexer", default=None,
@@ -164,7 +168,8 @@ def run_distill(args) -> dict:
     for name in ("length", "steps", "held_out_windows"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    plan = DistillationPlan(steps=args.steps, learning_rate=args.learning_rate, seed=args.seed)
+    plan = DistillationPlan(steps=args.steps, learning_rate=args.learning_rate, seed=args.seed,
+                            objective=args.objective)
     device = checked_device(args.device)
     directory = _model_dir(args)
     model, tokenizer = load_prepared(directory, device)

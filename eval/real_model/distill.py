@@ -21,7 +21,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..indexer_distillation import indexer_distillation_loss, indexer_parameter_names, initialise_indexer_from_attention
+from ..indexer_distillation import (OBJECTIVES, indexer_distillation_loss, indexer_parameter_names,
+                                    initialise_indexer_from_attention)
 from ..report import atomic_write, write_json
 
 __all__ = ["DistillationPlan", "IndexerDistiller", "held_out_kl", "save_indexer", "load_indexer", "INDEXER_FILE",
@@ -41,6 +42,7 @@ class DistillationPlan:
     warmup_steps: int = 20
     checkpoint_every: int = 50
     seed: int = 0
+    objective: str = "pages"
 
     def __post_init__(self):
         for name in ("steps", "warmup_steps", "checkpoint_every"):
@@ -50,6 +52,8 @@ class DistillationPlan:
         if not (isinstance(self.learning_rate, (int, float)) and math.isfinite(self.learning_rate)
                 and self.learning_rate > 0):
             raise ValueError(f"learning_rate must be a finite number > 0, got {self.learning_rate!r}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
 
     def learning_rate_at(self, step: int) -> float:
         """Linear warm-up, then cosine decay to a tenth."""
@@ -59,12 +63,13 @@ class DistillationPlan:
         return self.learning_rate * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def held_out_kl(model, windows: Sequence[torch.Tensor], device) -> Dict[str, object]:
-    """Mean KL over ``windows`` (each ``[L]`` token ids): ``{"mean": float, "per_layer": {layer: float}}``."""
+def held_out_kl(model, windows: Sequence[torch.Tensor], device, objective: str = "pages") -> Dict[str, object]:
+    """Mean KL by ``objective`` over ``windows`` (each ``[L]`` token ids): ``{"mean": float, "per_layer": {layer:
+    float}}``."""
     per_layer: Dict[int, float] = {}
     for window in windows:
         with torch.no_grad():
-            _, layers = indexer_distillation_loss(model, window[None].to(device))
+            _, layers = indexer_distillation_loss(model, window[None].to(device), objective)
         for layer, value in layers.items():
             per_layer[layer] = per_layer.get(layer, 0.0) + value / len(windows)
     return {"mean": sum(per_layer.values()) / len(per_layer), "per_layer": per_layer}
@@ -178,7 +183,9 @@ class IndexerDistiller:
         settings = self._settings()
         changed = sorted(key for key in settings if key != "plan" and state["settings"].get(key) != settings[key])
         plan_before, plan_now = state["settings"]["plan"], settings["plan"]
-        changed += [f"plan.{key}" for key in plan_now if key != "steps" and plan_before.get(key) != plan_now[key]]
+        defaults = {name: field.default for name, field in DistillationPlan.__dataclass_fields__.items()}
+        changed += [f"plan.{key}" for key in plan_now
+                    if key != "steps" and plan_before.get(key, defaults[key]) != plan_now[key]]
         if changed:  # only the number of steps may grow between runs
             raise ValueError(f"{self.state_path} was written with other settings ({', '.join(changed)}): continue "
                              f"with the same ones or choose another output")
@@ -189,13 +196,21 @@ class IndexerDistiller:
         self.step, self.history, self.kl_before = state["step"], state["history"], state["kl_before"]
         logger.info("continuing %s at step %d of %d", self.state_path, self.step, self.plan.steps)
 
+    def _held_out(self) -> Dict[str, object]:
+        """The held-out page KL (comparable between objectives), with the trained objective's under ``"objective"``
+        when that is another."""
+        kl = held_out_kl(self.model, self.held_out_windows, self.device)
+        if self.plan.objective != "pages":
+            kl["objective"] = held_out_kl(self.model, self.held_out_windows, self.device, self.plan.objective)
+        return kl
+
     def train_step(self) -> float:
         """One step on the next training window; its KL, the mean over sparse layers."""
         window = self.train_windows[self.order[self.step % len(self.order)]]
         for group in self.optimizer.param_groups:
             group["lr"] = self.plan.learning_rate_at(self.step)
         self.optimizer.zero_grad(set_to_none=True)
-        loss, per_layer = indexer_distillation_loss(self.model, window[None].to(self.device))
+        loss, per_layer = indexer_distillation_loss(self.model, window[None].to(self.device), self.plan.objective)
         loss.backward()
         self.optimizer.step()
         self.step += 1
@@ -206,7 +221,7 @@ class IndexerDistiller:
         start = time.monotonic()
         self.model.eval()  # no dropout; gradients still flow to the indexer
         if self.kl_before is None:
-            self.kl_before = held_out_kl(self.model, self.held_out_windows, self.device)
+            self.kl_before = self._held_out()
             self.save_state()
         stopped = None
         with _StopSignal() as stop:
@@ -228,7 +243,7 @@ class IndexerDistiller:
                   "train_kl_last_10": _mean([h["kl"] for h in self.history[-10:]]),
                   "seconds_per_step": _mean([h["seconds"] for h in self.history[-50:]])}
         if record["complete"]:
-            record["held_out_kl_after"] = held_out_kl(self.model, self.held_out_windows, self.device)
+            record["held_out_kl_after"] = self._held_out()
             save_indexer(self.model, self.output, record)
         return record
 
