@@ -23,7 +23,7 @@ def windows(count, length=40, seed=0):
     return [torch.randint(3, 101, (length,), generator=generator) for _ in range(count)]
 
 
-def distiller(tmp_path, model=None, steps=12, objective="pages", **kwargs):
+def distiller(tmp_path, model=None, steps=12, objective="history", **kwargs):
     plan = DistillationPlan(steps=steps, learning_rate=2e-2, warmup_steps=2, checkpoint_every=4, objective=objective)
     train = windows(3)
     return IndexerDistiller(model or converted(), train, train[:2], plan=plan, output=tmp_path, device="cpu", **kwargs)
@@ -46,7 +46,7 @@ def test_distillation_lowers_the_kl_and_trains_only_the_indexer(tmp_path):
 
 
 def test_the_history_objective_lowers_its_kl_and_records_the_page_kl_beside_it(tmp_path):
-    record = distiller(tmp_path, objective="history").run()
+    record = distiller(tmp_path).run()
     assert record["complete"] and record["settings"]["plan"]["objective"] == "history"
     before, after = record["held_out_kl_before"], record["held_out_kl_after"]
     assert after["objective"]["mean"] < 0.8 * before["objective"]["mean"]
@@ -127,10 +127,20 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path):
         torch.testing.assert_close(resumed.model.state_dict()[name], tensor, atol=1e-6, rtol=1e-5)
 
 
+def test_a_state_written_before_the_plan_named_its_objective_continues_only_as_the_pages_objective(tmp_path):
+    distiller(tmp_path, objective="pages").run(max_seconds=0)
+    state = torch.load(tmp_path / "state.pt", weights_only=False)
+    del state["settings"]["plan"]["objective"]
+    torch.save(state, tmp_path / "state.pt")
+    assert distiller(tmp_path, objective="pages").step == 1
+    with pytest.raises(ValueError, match=r"other settings \(plan.objective\)"):
+        distiller(tmp_path)
+
+
 def test_a_state_of_other_settings_is_refused(tmp_path):
     distiller(tmp_path).run(max_seconds=0)
     with pytest.raises(ValueError, match=r"other settings \(plan.objective\)"):
-        distiller(tmp_path, objective="history")
+        distiller(tmp_path, objective="pages")
     plan = DistillationPlan(steps=12, learning_rate=1e-3, warmup_steps=2, checkpoint_every=4)
     with pytest.raises(ValueError, match=r"other settings \(plan.learning_rate\)"):
         IndexerDistiller(converted(), windows(3), windows(3)[:2], plan=plan, output=tmp_path, device="cpu")

