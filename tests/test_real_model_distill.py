@@ -23,8 +23,8 @@ def windows(count, length=40, seed=0):
     return [torch.randint(3, 101, (length,), generator=generator) for _ in range(count)]
 
 
-def distiller(tmp_path, model=None, steps=12, objective="history", **kwargs):
-    plan = DistillationPlan(steps=steps, learning_rate=2e-2, warmup_steps=2, checkpoint_every=4, objective=objective)
+def distiller(tmp_path, model=None, steps=12, **kwargs):
+    plan = DistillationPlan(steps=steps, learning_rate=2e-2, warmup_steps=2, checkpoint_every=4)
     train = windows(3)
     return IndexerDistiller(model or converted(), train, train[:2], plan=plan, output=tmp_path, device="cpu", **kwargs)
 
@@ -47,7 +47,7 @@ def test_distillation_lowers_the_kl_and_trains_only_the_indexer(tmp_path):
 
 def test_the_history_objective_lowers_its_kl_and_records_the_page_kl_beside_it(tmp_path):
     record = distiller(tmp_path).run()
-    assert record["complete"] and record["settings"]["plan"]["objective"] == "history"
+    assert record["complete"] and record["settings"]["objective"] == "history"
     before, after = record["held_out_kl_before"], record["held_out_kl_after"]
     assert after["objective"]["mean"] < 0.8 * before["objective"]["mean"]
     assert after["mean"] < before["mean"]  # the page KL, comparable with the "pages" objective's runs
@@ -127,20 +127,17 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path):
         torch.testing.assert_close(resumed.model.state_dict()[name], tensor, atol=1e-6, rtol=1e-5)
 
 
-def test_a_state_written_before_the_plan_named_its_objective_continues_only_as_the_pages_objective(tmp_path):
-    distiller(tmp_path, objective="pages").run(max_seconds=0)
+def test_the_state_of_a_run_by_the_page_objective_is_not_continued(tmp_path):
+    distiller(tmp_path).run(max_seconds=0)
     state = torch.load(tmp_path / "state.pt", weights_only=False)
-    del state["settings"]["plan"]["objective"]
+    del state["settings"]["objective"]  # what runs by the KL over every causal page wrote
     torch.save(state, tmp_path / "state.pt")
-    assert distiller(tmp_path, objective="pages").step == 1
-    with pytest.raises(ValueError, match=r"other settings \(plan.objective\)"):
+    with pytest.raises(ValueError, match=r"other settings \(objective\)"):
         distiller(tmp_path)
 
 
 def test_a_state_of_other_settings_is_refused(tmp_path):
     distiller(tmp_path).run(max_seconds=0)
-    with pytest.raises(ValueError, match=r"other settings \(plan.objective\)"):
-        distiller(tmp_path, objective="pages")
     plan = DistillationPlan(steps=12, learning_rate=1e-3, warmup_steps=2, checkpoint_every=4)
     with pytest.raises(ValueError, match=r"other settings \(plan.learning_rate\)"):
         IndexerDistiller(converted(), windows(3), windows(3)[:2], plan=plan, output=tmp_path, device="cpu")
@@ -161,8 +158,7 @@ def test_an_indexer_file_of_another_model_is_refused_before_copying(tmp_path):
 
 @pytest.mark.parametrize("overrides, text", [(dict(steps=0), "steps must be an int >= 1"),
                                              (dict(learning_rate=float("nan")), "learning_rate must be a finite"),
-                                             (dict(warmup_steps=-1), "warmup_steps must be an int >= 0"),
-                                             (dict(objective="mass"), "objective must be one of")])
+                                             (dict(warmup_steps=-1), "warmup_steps must be an int >= 0")])
 def test_a_bad_plan_raises(overrides, text):
     with pytest.raises(ValueError, match=text):
         DistillationPlan(**overrides)

@@ -26,8 +26,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..indexer_distillation import (OBJECTIVES, indexer_distillation_loss, indexer_parameter_names,
-                                    initialise_indexer_from_attention)
+from ..indexer_distillation import indexer_distillation_loss, indexer_parameter_names, initialise_indexer_from_attention
 from ..report import atomic_write, write_json
 
 __all__ = ["DistillationPlan", "IndexerDistiller", "held_out_kl", "save_indexer", "load_indexer", "INDEXER_FILE",
@@ -38,6 +37,7 @@ logger = logging.getLogger(__name__)
 INDEXER_FILE = "indexer.safetensors"
 RECORD_FILE = "indexer.json"
 STATE_FILE = "state.pt"
+OBJECTIVE = "history"  # eval.indexer_distillation's; recorded in the state, so a run of another is not continued
 
 
 @dataclass
@@ -47,7 +47,6 @@ class DistillationPlan:
     warmup_steps: int = 20
     checkpoint_every: int = 50
     seed: int = 0
-    objective: str = "history"
 
     def __post_init__(self):
         for name in ("steps", "warmup_steps", "checkpoint_every"):
@@ -57,8 +56,6 @@ class DistillationPlan:
         if not (isinstance(self.learning_rate, (int, float)) and math.isfinite(self.learning_rate)
                 and self.learning_rate > 0):
             raise ValueError(f"learning_rate must be a finite number > 0, got {self.learning_rate!r}")
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
 
     def learning_rate_at(self, step: int) -> float:
         """Linear warm-up, then cosine decay to a tenth."""
@@ -173,7 +170,8 @@ class IndexerDistiller:
             initialise_indexer_from_attention(model)
 
     def _settings(self) -> dict:
-        return {"plan": asdict(self.plan), "indexer_start": "attention", "train_windows": len(self.train_windows),
+        return {"plan": asdict(self.plan), "indexer_start": "attention", "objective": OBJECTIVE,
+                "train_windows": len(self.train_windows),
                 "window_tokens": int(self.train_windows[0].numel()), **self.description}
 
     def save_state(self) -> None:
@@ -188,7 +186,6 @@ class IndexerDistiller:
         settings = self._settings()
         changed = sorted(key for key in settings if key != "plan" and state["settings"].get(key) != settings[key])
         plan_before, plan_now = state["settings"]["plan"], settings["plan"]
-        plan_before = {"objective": "pages", **plan_before}  # what runs wrote before the plan named its objective
         changed += [f"plan.{key}" for key in plan_now if key != "steps" and plan_before.get(key) != plan_now[key]]
         if changed:  # only the number of steps may grow between runs
             raise ValueError(f"{self.state_path} was written with other settings ({', '.join(changed)}): continue "
@@ -201,12 +198,10 @@ class IndexerDistiller:
         logger.info("continuing %s at step %d of %d", self.state_path, self.step, self.plan.steps)
 
     def _held_out(self) -> Dict[str, object]:
-        """The held-out page KL (comparable between objectives), with the trained objective's under ``"objective"``
-        when that is another."""
-        kl = held_out_kl(self.model, self.held_out_windows, self.device)
-        if self.plan.objective != "pages":
-            kl["objective"] = held_out_kl(self.model, self.held_out_windows, self.device, self.plan.objective)
-        return kl
+        """The held-out KL over every causal page (comparable with runs of other objectives), with the trained
+        objective's under ``"objective"``."""
+        return {**held_out_kl(self.model, self.held_out_windows, self.device),
+                "objective": held_out_kl(self.model, self.held_out_windows, self.device, OBJECTIVE)}
 
     def train_step(self) -> float:
         """One step on the next training window; its KL, the mean over sparse layers."""
@@ -214,7 +209,7 @@ class IndexerDistiller:
         for group in self.optimizer.param_groups:
             group["lr"] = self.plan.learning_rate_at(self.step)
         self.optimizer.zero_grad(set_to_none=True)
-        loss, per_layer = indexer_distillation_loss(self.model, window[None].to(self.device), self.plan.objective)
+        loss, per_layer = indexer_distillation_loss(self.model, window[None].to(self.device), OBJECTIVE)
         loss.backward()
         self.optimizer.step()
         self.step += 1
