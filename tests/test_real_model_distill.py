@@ -137,6 +137,15 @@ def test_the_state_of_a_run_by_the_page_objective_is_not_continued(tmp_path):
         distiller(tmp_path)
 
 
+def test_the_state_of_a_run_without_repeated_spans_is_not_continued(tmp_path):
+    distiller(tmp_path).run(max_seconds=0)
+    state = torch.load(tmp_path / "state.pt", weights_only=False)
+    del state["settings"]["plan"]["repeated_spans"]  # what runs on the novels' windows as written wrote
+    torch.save(state, tmp_path / "state.pt")
+    with pytest.raises(ValueError, match=r"other settings \(plan.repeated_spans\)"):
+        distiller(tmp_path)
+
+
 def test_a_state_of_other_settings_is_refused(tmp_path):
     distiller(tmp_path).run(max_seconds=0)
     plan = DistillationPlan(steps=12, learning_rate=1e-3, warmup_steps=2, checkpoint_every=4)
