@@ -178,7 +178,7 @@ def test_repeated_spans_copy_the_windows_own_tokens_at_least_the_distance_later(
         if position != previous + 1:
             runs.append((start, previous + 1))
             start = position
-    for begin, end in runs:
+    for begin, _ in runs:
         source = int(out[begin]) - 1000  # the window's tokens are their own positions (plus 1000) until copied over
         assert begin - source >= 100 + 1, (begin, source)
     again = with_repeated_spans(window, torch.Generator().manual_seed(7), spans=3, span_tokens=(5, 9),
