@@ -17,14 +17,17 @@ import torch
 from indexer.cute_runtime import compile_once, compile_tvm_ffi, dsl_available, sm_count
 
 __all__ = ["cute_sparse_attention_supported", "page_unions", "own_cache_slots", "sparse_attention_cute",
-           "sparse_decode_attention_cute", "sparse_union_attention_cute", "decode_splits", "decode_arrival_counters",
-           "DECODE_MAX_QUERY_LENGTH", "DECODE_MAX_SPLITS"]
+           "sparse_decode_attention_cute", "sparse_union_attention_cute", "attend_page_unions", "union_tile_tokens",
+           "decode_splits", "decode_arrival_counters", "UNION_TOKEN_SHIFT", "DECODE_MAX_QUERY_LENGTH",
+           "DECODE_MAX_SPLITS"]
 
 _PAGE_SIZE = 128
 _HEAD_DIM = 128
 _TILE_ROWS = 128
 _HEADS_PER_GROUP = 16
-_UNION_PAGE_LIMIT = 1 << 24
+UNION_TOKEN_SHIFT = 24
+"""A union entry is ``physical_page | token_bits << UNION_TOKEN_SHIFT`` (the kernel's ``UNION_TOKEN_SHIFT``)."""
+_UNION_PAGE_LIMIT = 1 << UNION_TOKEN_SHIFT
 DECODE_MAX_QUERY_LENGTH = 16
 """Forwards with at most this many new tokens per sequence take the split-KV decode kernel."""
 DECODE_MAX_SPLITS = 16
@@ -53,8 +56,8 @@ def page_unions(selection: torch.Tensor, batch_index: torch.Tensor, pages_per_se
     """The distinct physical pages each query tile of each KV group reads, and which of its tokens read them.
 
     ``selection`` is ``[T, G, topk]`` logical page ids (``-1`` = none). Returns ``union [tiles, G, tokens_per_tile
-    * topk]`` int32 entries ``physical_page | token_bits << 24`` (ascending pages first; the rest is padding) and
-    ``count [tiles, G]`` int32.
+    * topk]`` int32 entries ``physical_page | token_bits << UNION_TOKEN_SHIFT`` (ascending pages first; the rest is
+    padding) and ``count [tiles, G]`` int32.
     """
     count_tokens, num_groups, topk = selection.shape
     tiles = -(-count_tokens // tokens_per_tile)
@@ -78,7 +81,8 @@ def page_unions(selection: torch.Tensor, batch_index: torch.Tensor, pages_per_se
     bits = torch.zeros_like(keys).scatter_add_(-1, run, torch.where(valid, 1 << (keys % 8), 0))
     # entry r is run r's page and bits; every key of a run writes the same value, padding lands in the last slot,
     # which is a run only when no key is padding
-    entries = torch.where(valid, (pages.to(torch.int64) | (bits.gather(-1, run).to(torch.int64) << 24)), 0)
+    token_bits = bits.gather(-1, run).to(torch.int64) << UNION_TOKEN_SHIFT
+    entries = torch.where(valid, pages.to(torch.int64) | token_bits, 0)
     entries = torch.where(entries >= 2**31, entries - 2**32, entries).to(torch.int32)
     slot = torch.where(valid, run, keys.shape[-1] - 1)
     union = torch.zeros_like(entries).scatter_(-1, slot, entries)
@@ -123,21 +127,32 @@ def sparse_union_attention_cute(q, keys, values, selection, metadata, *, scale: 
     target = out if out is not None and out.is_contiguous() else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0:
         return target if out is None else out
+    capacity, num_kv_heads = keys.shape[1], keys.shape[2]
+    union, count = page_unions(selection, metadata.batch_index, capacity // _PAGE_SIZE,
+                               union_tile_tokens(q.shape[1], num_kv_heads))
+    attend_page_unions(q, keys, values, union, count, metadata.cache_slots(capacity), scale=scale, out=target)
+    if out is None or out is target:
+        return target
+    return out.copy_(target)
+
+
+def union_tile_tokens(num_heads: int, num_kv_heads: int) -> int:
+    """Query tokens per tile of the page-union kernel: its 128 rows are (token, query head of the KV group)."""
+    return _TILE_ROWS // (num_heads // num_kv_heads)
+
+
+def attend_page_unions(q, keys, values, union, count, own_slots, *, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """The page-union kernel alone, on unions ``page_unions`` built for tiles of ``union_tile_tokens`` tokens:
+    writes the contiguous ``out`` (``q``'s shape) and returns it. Inputs as ``sparse_union_attention_cute`` has them;
+    ``own_slots`` is ``metadata.cache_slots(capacity)``."""
     batch, capacity, num_kv_heads, head_dim = keys.shape
-    pages_per_sequence = capacity // _PAGE_SIZE
-    group = q.shape[1] // num_kv_heads
-    tokens_per_tile = _TILE_ROWS // group
-    union, count = page_unions(selection, metadata.batch_index, pages_per_sequence, tokens_per_tile)
-    own_slots = metadata.cache_slots(capacity)
     with torch.cuda.device(q.device):
         kernel = compile_once(("sparse_attention_sm90", q.shape[1], num_kv_heads),
                               lambda: _compile_union(q.shape[1], num_kv_heads))
     kernel(q.contiguous(), keys.view(batch * capacity, num_kv_heads, head_dim),
-           values.view(batch * capacity, num_kv_heads, head_dim), target, None, None, union, count, own_slots, None,
+           values.view(batch * capacity, num_kv_heads, head_dim), out, None, None, union, count, own_slots, None,
            scale)
-    if out is None or out is target:
-        return target
-    return out.copy_(target)
+    return out
 
 
 def decode_splits(num_tokens: int, num_kv_heads: int, topk: int, num_sms: int) -> int:

@@ -61,11 +61,33 @@ def test_own_cache_slots_are_batch_times_capacity_plus_position():
     assert own_cache_slots(batch_index, positions, 1024).tolist() == [0, 7, 2178, 6143]
 
 
+def test_warpgroup_pages_count_a_page_once_per_warpgroup_that_selected_it():
+    from minimax_m3.bench_sparse_attention import TILE_TOKENS, WARPGROUP_TOKENS, warpgroup_pages
+
+    generator = torch.Generator().manual_seed(1)
+    count_tokens, num_groups, pages_per_sequence = 45, 2, 20
+    selection = _random_selection(count_tokens, num_groups, 6, pages_per_sequence, generator)
+    batch_index = torch.zeros(count_tokens, dtype=torch.long)
+    expected_pages = expected_warpgroup_pages = 0
+    for per_group in _loop_unions(selection, batch_index, pages_per_sequence, TILE_TOKENS):
+        for entries in per_group:
+            expected_pages += len(entries)
+            for _, bits in entries:
+                tokens = [local for local in range(TILE_TOKENS) if bits >> local & 1]
+                expected_warpgroup_pages += len({local // WARPGROUP_TOKENS for local in tokens})
+    union, count = page_unions(selection, batch_index, pages_per_sequence, TILE_TOKENS)
+    assert warpgroup_pages(union, count) == {"union_pages": expected_pages,
+                                             "warpgroup_pages": expected_warpgroup_pages}
+    assert expected_pages < expected_warpgroup_pages < 2 * expected_pages  # pages shared within and across warpgroups
+
+
 def test_the_kernel_takes_m3s_sixteen_heads_per_group_only():
     import pytest
 
-    from minimax_m3.kernels.sparse_attention_sm90 import SparseAttentionSm90
+    from minimax_m3.kernels.sparse_attention_sm90 import SparseAttentionSm90, UNION_TOKEN_SHIFT as kernel_shift
+    from minimax_m3.sparse_attention_cute import UNION_TOKEN_SHIFT, union_tile_tokens
 
-    assert SparseAttentionSm90(16).tokens_per_tile == 8
+    assert SparseAttentionSm90(16).tokens_per_tile == 8 == union_tile_tokens(64, 4)
+    assert kernel_shift == UNION_TOKEN_SHIFT
     with pytest.raises(ValueError, match="heads_per_group must be 16"):
         SparseAttentionSm90(32)
