@@ -5,8 +5,8 @@ One layer, one sequence: q ``[L, 64, 128]``, a K/V cache ``[1, L, 4, 128]`` (bf1
 15 uniform history pages per (token, KV group)). Times the CuTe kernel (page unions included, and each part alone),
 FlexAttention (up to ``--flex-max-length``) and, as the baseline in the same run, dense SDPA of the same layer: CUDA
 events, one warm-up, median of ``--repeats``. "useful" TFLOP/s count 16 pages x 128 keys per (token, head), QK and PV.
-The kernel's work is counted in *warpgroup-pages* (``warpgroup_pages``): its time per one is the figure to compare
-across selections. Needs an SM90 GPU.
+The kernel's work is counted in *warpgroup-pages* (``warpgroup_pages``); its time per warpgroup-page is the figure
+to compare across selections. Needs an SM90 GPU.
 """
 
 from __future__ import annotations
